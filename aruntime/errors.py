@@ -1,0 +1,39 @@
+"""Exceptions raised by aruntime. Every error names what failed."""
+
+from __future__ import annotations
+
+
+class AruntimeError(Exception):
+    """Base class of every aruntime error."""
+
+
+class DeviceError(AruntimeError):
+    """A device could not be opened, or a device name is malformed or unknown."""
+
+
+class CompileError(AruntimeError):
+    """A compiler rejected a source; the message carries the compiler's output."""
+
+
+class CacheError(AruntimeError):
+    """The persistent compile cache is unusable (e.g. unsafe permissions) or missed under ASSERT_COMPILE."""
+
+
+class AllocationError(AruntimeError, MemoryError):
+    """An allocation failed even after the allocator's cache was freed."""
+
+
+class BufferUsageError(AruntimeError, ValueError):
+    """A buffer was used wrongly: unallocated, freed, out of range, wrong size, wrong device."""
+
+
+class SignalTimeout(AruntimeError, TimeoutError):
+    """A wait on a timeline signal did not pass within its timeout."""
+
+
+class OpError(AruntimeError):
+    """An op failed on a device engine; ``__cause__`` holds the original exception."""
+
+
+class DependencyError(OpError):
+    """An op was not run because an op it depends on failed first."""
