@@ -36,4 +36,8 @@ class OpError(AruntimeError):
 
 
 class DependencyError(OpError):
-    """An op was not run because an op it depends on failed first."""
+    """An op was not run because an op it depends on failed; ``first`` names the op that failed first."""
+
+    def __init__(self, message: str, first: str) -> None:
+        super().__init__(message)
+        self.first = first

@@ -1,9 +1,12 @@
-"""Small shared utilities: environment flags."""
+"""Small shared utilities: environment flags and pinning the memory of Python buffers."""
 
 from __future__ import annotations
 
+import ctypes
 import os
-from typing import TypeVar
+from typing import Any, ClassVar, TypeVar
+
+from aruntime.errors import BufferUsageError, DeviceError
 
 T = TypeVar("T", int, float, str)
 
@@ -21,3 +24,74 @@ def getenv(key: str, default: T) -> T:
         return type(default)(raw)
     except ValueError:
         raise ValueError(f"environment variable {key}={raw!r} is not a valid {type(default).__name__}") from None
+
+
+class _PyBuffer(ctypes.Structure):
+    _fields_: ClassVar[list[tuple[str, Any]]] = [
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.c_void_p),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("suboffsets", ctypes.c_void_p),
+        ("internal", ctypes.c_void_p),
+    ]
+
+
+_get_buffer = ctypes.pythonapi.PyObject_GetBuffer
+_get_buffer.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
+_get_buffer.restype = ctypes.c_int
+_release_buffer = ctypes.pythonapi.PyBuffer_Release
+_release_buffer.argtypes = [ctypes.POINTER(_PyBuffer)]
+_release_buffer.restype = None
+_PYBUF_WRITABLE = 0x0001
+
+
+class Pinned:
+    """The memory of a buffer-protocol object, held until :meth:`release` (or collection).
+
+    While held, the object can be neither resized nor freed, so an engine thread
+    may copy to or from ``address`` without the GIL. Works zero-copy for bytes,
+    bytearray, memoryview, array, mmap and C-contiguous numpy arrays.
+    """
+
+    __slots__ = ("_view", "address", "nbytes", "readonly")
+
+    def __init__(self, obj: object, writable: bool = False) -> None:
+        view = _PyBuffer()
+        self._view: _PyBuffer | None = None
+        try:
+            _get_buffer(obj, ctypes.byref(view), _PYBUF_WRITABLE if writable else 0)
+        except (BufferError, TypeError, ValueError) as exc:
+            need = "a writable, C-contiguous" if writable else "a C-contiguous"
+            raise BufferUsageError(f"expected {need} buffer-protocol object, got {type(obj).__name__}: {exc}") from None
+        self._view = view
+        self.address = int(view.buf or 0)
+        self.nbytes = int(view.len)
+        self.readonly = bool(view.readonly)
+
+    def release(self) -> None:
+        """Let go of the object's memory (idempotent)."""
+        view, self._view = self._view, None
+        if view is not None:
+            _release_buffer(ctypes.byref(view))
+
+    def __del__(self) -> None:
+        self.release()
+
+
+def canonicalize(name: str) -> str:
+    """The canonical device name: the kind upper-cased, the rest kept, a final ":0" dropped.
+
+    ``"cpu:0" -> "CPU"``, ``"cpu:10" -> "CPU:10"``, ``"disk:/tmp/A" -> "DISK:/tmp/A"``.
+    """
+    if not isinstance(name, str) or not name or name.startswith(":"):
+        raise DeviceError(f"invalid device name {name!r}: expected KIND or KIND:ARG")
+    kind, sep, rest = name.partition(":")
+    if sep and rest == "0":
+        return kind.upper()
+    return kind.upper() + sep + rest

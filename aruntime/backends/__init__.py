@@ -1,0 +1,1 @@
+"""Built-in device backends, one module per kind; each module names its class ``device_class``."""

@@ -1,0 +1,107 @@
+"""The CPU device: C kernels built by the system C compiler, run on host memory.
+
+A kernel is a C function; :meth:`BaseDevice.launch` calls it once with each
+buffer as a pointer, then each scalar: Python ints as ``int64_t``, floats as
+``double``. For example ``launch(prog, out, x, vals=(n, 2.0))`` calls
+``void kernel(void *out, void *x, int64_t n, double scale)``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from aruntime.allocator import HostAllocator
+from aruntime.compiler import Compiler
+from aruntime.device import BaseDevice, Program
+from aruntime.dtype import DType, dtypes
+from aruntime.errors import CompileError
+
+FLAGS = ("-O2", "-fPIC", "-shared")
+
+
+class CCompiler(Compiler):
+    """The system C compiler (``CC`` in the environment, default ``cc``) building a shared library."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.cc = os.environ.get("CC", "cc")
+        self._key: str | None = None
+        self._key_lock = threading.Lock()
+
+    @property
+    def cachekey(self) -> str | None:
+        """``CPU_<hash of the compiler's path, its --version output and the flags>``."""
+        with self._key_lock:
+            if self._key is None:
+                path = shutil.which(self.cc)
+                if path is None:
+                    return None
+                version = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
+                self._key = self.make_cachekey("CPU", path, version, *FLAGS)
+            return self._key
+
+    def compile(self, src: str) -> bytes:
+        with tempfile.TemporaryDirectory(prefix="aruntime-cc-") as tmp:
+            out = os.path.join(tmp, "kernel.so")
+            try:
+                proc = subprocess.run(
+                    [self.cc, *FLAGS, "-x", "c", "-", "-o", out, "-lm"],
+                    input=src.encode(),
+                    capture_output=True,
+                )
+            except FileNotFoundError:
+                raise CompileError(f"C compiler {self.cc!r} not found; set CC to a C compiler") from None
+            if proc.returncode != 0:
+                message = proc.stderr.decode(errors="replace").strip()
+                raise CompileError(f"{self.cc} failed with exit code {proc.returncode}:\n{message}")
+            with open(out, "rb") as f:
+                return f.read()
+
+
+class CPUProgram(Program):
+    """A kernel loaded with dlopen from the compiled shared library."""
+
+    def __init__(self, device: BaseDevice, name: str, lib: bytes, outs: Sequence[int] | None = None) -> None:
+        super().__init__(device, name, lib, outs)
+        fd, path = tempfile.mkstemp(prefix="aruntime-", suffix=".so")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(lib)
+            self._lib = ctypes.CDLL(path)
+        finally:
+            os.unlink(path)
+        try:
+            self._fn = getattr(self._lib, name)
+        except AttributeError:
+            raise CompileError(f"the compiled library has no function {name!r}") from None
+        self._fn.restype = None
+
+    def args(self, addresses: Sequence[int], vals: Sequence[int | float]) -> tuple[Any, ...]:
+        scalars = [ctypes.c_int64(v) if isinstance(v, int) else ctypes.c_double(v) for v in vals]
+        return (*map(ctypes.c_void_p, addresses), *scalars)
+
+    def __call__(self, *args: Any) -> None:
+        self._fn(*args)
+
+
+class CPUDevice(BaseDevice):
+    """Host memory, C kernels, a compute and a copy engine thread."""
+
+    kind = "CPU"
+    program_type = CPUProgram
+    allocator_type = HostAllocator
+    compiler_type = CCompiler
+    copy_fn = staticmethod(ctypes.memmove)
+
+    def is_dtype_supported(self, dtype: DType) -> bool:
+        return dtype.scalar() != dtypes.bfloat16
+
+
+device_class = CPUDevice

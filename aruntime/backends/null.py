@@ -1,0 +1,63 @@
+"""The NULL device: engines complete every command at once; for measuring the runtime's own overhead."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from aruntime.allocator import BufferSpec, LRUAllocator
+from aruntime.compiler import Compiler
+from aruntime.device import BaseDevice, Program
+
+
+class NullAllocator(LRUAllocator[int]):
+    """Hands out distinct fake addresses; no memory behind them."""
+
+    _next = itertools.count(1 << 20, 1 << 20)
+
+    def _alloc(self, size: int, spec: BufferSpec) -> int:
+        return next(self._next)
+
+    def _free(self, handle: int, size: int, spec: BufferSpec) -> None:
+        pass
+
+    def _copyin(self, dest: int, src: memoryview) -> None:
+        pass
+
+    def _copyout(self, dest: memoryview, src: int) -> None:
+        pass
+
+    def _offset(self, handle: int, size: int, offset: int) -> int:
+        return handle + offset
+
+
+class NullCompiler(Compiler):
+    """Accepts any source; produces an empty binary."""
+
+    def compile(self, src: str) -> bytes:
+        return b""
+
+
+class NullProgram(Program):
+    """Runs nothing."""
+
+    def args(self, addresses: Sequence[int], vals: Sequence[int | float]) -> tuple[Any, ...]:
+        return ()
+
+
+def _no_copy(dst: int, src: int, nbytes: int) -> None:
+    pass
+
+
+class NullDevice(BaseDevice):
+    """Every op is accepted, tracked and completed, and does nothing."""
+
+    kind = "NULL"
+    program_type = NullProgram
+    allocator_type = NullAllocator
+    compiler_type = NullCompiler
+    copy_fn = staticmethod(_no_copy)
+
+
+device_class = NullDevice

@@ -1,0 +1,221 @@
+"""Buffers: lazily allocated device memory, views into it, and its in-flight accesses."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import TYPE_CHECKING, Any
+
+from aruntime.allocator import DEFAULT_SPEC, Allocator, BufferSpec
+from aruntime.dtype import DType, dtypes
+from aruntime.errors import BufferUsageError
+from aruntime.hazards import AccessLog
+from aruntime.helpers import canonicalize
+
+if TYPE_CHECKING:
+    from aruntime.device import BaseDevice
+
+_counter_lock = threading.Lock()
+
+
+class Buffer:
+    """``size`` elements of ``dtype`` on ``device``; allocated on first need, not at construction.
+
+    A view (``base`` given, or from :meth:`view`) shares its root buffer's
+    memory at a byte ``offset``; views of views point at the root with the
+    offsets added, and are bounds-checked against it.
+    """
+
+    def __init__(
+        self,
+        device: str,
+        size: int,
+        dtype: DType = dtypes.uint8,
+        spec: BufferSpec | None = None,
+        initial_value: bytes | None = None,
+        base: Buffer | None = None,
+        offset: int = 0,
+        preallocate: bool = False,
+    ) -> None:
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise BufferUsageError(f"buffer size must be a positive number of elements, got {size!r}")
+        if not isinstance(dtype, DType) or dtype.itemsize <= 0:
+            raise BufferUsageError(f"buffer dtype must be a DType with a non-zero itemsize, got {dtype!r}")
+        self.device = canonicalize(device)
+        self.size = size
+        self.dtype = dtype
+        self.nbytes = size * dtype.itemsize
+        self.spec = spec or DEFAULT_SPEC
+        self._handle: Any = None
+        self._freed = False
+        if base is None:
+            if offset != 0:
+                raise BufferUsageError("a base buffer has no offset; pass base= to make a view")
+            self._base: Buffer | None = None
+            self.offset = 0
+            self.log = AccessLog()
+        else:
+            root = base.base
+            if canonicalize(base.device) != self.device:
+                raise BufferUsageError(f"a view on {self.device} cannot share a buffer of {base.device}")
+            self._base = root
+            self.offset = base.offset + offset if base is not root else offset
+            if offset < 0 or self.offset + self.nbytes > root.nbytes:
+                raise BufferUsageError(
+                    f"view of {self.nbytes} bytes at offset {self.offset} is out of range of its "
+                    f"{root.nbytes}-byte root buffer"
+                )
+            self.log = root.log
+        if preallocate or initial_value is not None:
+            self.allocate()
+            if initial_value is not None:
+                self.copyin(memoryview(initial_value))
+
+    def __repr__(self) -> str:
+        view = f" view of {self._base!r} at {self.offset}" if self._base is not None else ""
+        return f"<Buffer {self.device} {self.size} x {self.dtype!r}{view}>"
+
+    @property
+    def base(self) -> Buffer:
+        """The root buffer that owns the memory (``self`` for a root)."""
+        return self if self._base is None else self._base
+
+    @property
+    def owner(self) -> BaseDevice:
+        """The opened device this buffer lives on."""
+        from aruntime.device import Device
+
+        return Device[self.device]
+
+    @property
+    def allocator(self) -> Allocator[Any]:
+        """The allocator of this buffer's device."""
+        return self.owner.allocator
+
+    @property
+    def handle(self) -> Any:
+        """The backend's handle of this buffer's memory; an error if not allocated."""
+        if not self.is_allocated():
+            state = "was freed" if self.base._freed else "is not allocated"
+            raise BufferUsageError(f"{self!r} {state}")
+        return self._handle
+
+    def is_allocated(self) -> bool:
+        """Whether the memory exists now (for a view: whether its root's does)."""
+        if self._base is not None and not self._base.is_allocated():
+            return False
+        return self._handle is not None
+
+    def ensure_allocated(self) -> Buffer:
+        """Allocate unless already allocated."""
+        return self if self.is_allocated() else self.allocate()
+
+    def allocate(self, external_ptr: int | None = None) -> Buffer:
+        """Allocate the memory (a view: its root first); ``external_ptr`` wraps caller-owned memory."""
+        if self.is_allocated():
+            raise BufferUsageError(f"{self!r} is already allocated")
+        allocator = self.allocator
+        if self._base is not None:
+            self._base.ensure_allocated()
+            offset = getattr(allocator, "_offset", None)
+            if offset is None:
+                raise BufferUsageError(f"{self.device} does not support buffer views")
+            self._handle = offset(self._base._handle, self.nbytes, self.offset)
+            return self
+        if external_ptr is not None:
+            self.spec = BufferSpec(**{**self.spec.__dict__, "external_ptr": external_ptr})
+        self._handle = allocator.alloc(self.nbytes, self.spec)
+        self._freed = False
+        if self.spec.external_ptr is None and not self.owner.file_backed:
+            with _counter_lock:
+                allocator.in_use += self.nbytes
+        return self
+
+    def deallocate(self) -> None:
+        """Free the memory; if ops still use it, the memory is released only once they finish.
+
+        A view only lets go of its handle. The buffer reads as unallocated at once.
+        """
+        if self._handle is None:
+            raise BufferUsageError(f"{self!r} is not allocated")
+        handle, self._handle = self._handle, None
+        if self._base is not None:
+            return
+        self._freed = True
+        pending = self.log.pending()
+        if not pending:
+            self._release(handle)
+            return
+        left = [len(pending)]
+        lock = threading.Lock()
+
+        def one_done() -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                self._release(handle)
+
+        for op in pending:
+            assert op.engine is not None
+            op.engine.signal.on_reach(op.value, one_done)
+
+    def _release(self, handle: Any) -> None:
+        allocator = self.allocator
+        if self.spec.external_ptr is None:
+            allocator.free(handle, self.nbytes, self.spec)
+            if not self.owner.file_backed:
+                with _counter_lock:
+                    allocator.in_use -= self.nbytes
+
+    def __del__(self) -> None:
+        if getattr(self, "_handle", None) is not None and self._base is None:
+            with contextlib.suppress(Exception):  # at interpreter shutdown the process frees it anyway
+                self.deallocate()
+
+    def view(self, size: int, dtype: DType, offset: int) -> Buffer:
+        """A view of ``size`` elements of ``dtype`` at byte ``offset`` into this buffer."""
+        if not isinstance(offset, int) or offset < 0:
+            raise BufferUsageError(f"view offset must be a non-negative int, got {offset!r}")
+        return Buffer(self.device, size, dtype, base=self, offset=offset)
+
+    def _wait_idle(self) -> None:
+        for op in self.log.pending():
+            op.wait_done()
+
+    def copyin(self, src: memoryview) -> Buffer:
+        """Copy ``src`` (exactly ``nbytes`` long) into the buffer, blocking this thread."""
+        src = memoryview(src)
+        if src.nbytes != self.nbytes:
+            raise BufferUsageError(f"copyin of {src.nbytes} bytes into {self!r} of {self.nbytes} bytes")
+        handle = self.handle
+        self._wait_idle()
+        self.allocator._copyin(handle, src)
+        return self
+
+    def copyout(self, dest: memoryview) -> memoryview:
+        """Copy the buffer into ``dest`` (exactly ``nbytes`` long), blocking this thread."""
+        dest = memoryview(dest)
+        if dest.nbytes != self.nbytes:
+            raise BufferUsageError(f"copyout of {self!r} ({self.nbytes} bytes) into {dest.nbytes} bytes")
+        handle = self.handle
+        self._wait_idle()
+        self.allocator._copyout(dest, handle)
+        return dest
+
+    def as_buffer(self, allow_zero_copy: bool = False) -> memoryview:
+        """The contents: a zero-copy view where the memory is host-visible and allowed, else a copy."""
+        as_buffer = getattr(self.allocator, "_as_buffer", None)
+        if allow_zero_copy and as_buffer is not None:
+            handle = self.handle
+            self._wait_idle()
+            view: memoryview = as_buffer(handle, self.nbytes)
+            return view
+        return self.copyout(memoryview(bytearray(self.nbytes)))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if self._base is not None:
+            return (Buffer, (self.device, self.size, self.dtype, None, None, self._base, self.offset))
+        contents = bytes(self.as_buffer()) if self.is_allocated() else None
+        spec = BufferSpec(**{**self.spec.__dict__, "external_ptr": None})
+        return (Buffer, (self.device, self.size, self.dtype, spec, contents))

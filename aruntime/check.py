@@ -1,0 +1,81 @@
+"""``aruntime check``: open every known device kind and run ``[1, 2, 3] * 2`` on it."""
+
+from __future__ import annotations
+
+import array
+from dataclasses import dataclass
+
+import anyio
+
+from aruntime.device import Device
+from aruntime.dtype import dtypes
+
+DOUBLE_SOURCES = {
+    "CPU": "#include <stdint.h>\n"
+    "void kernel(int32_t *out, const int32_t *x) { for (int i = 0; i < 3; i++) out[i] = x[i] * 2; }\n",
+}
+"""The kernel ``out = x * 2`` over three int32s, in each kind's kernel language."""
+
+
+@dataclass(frozen=True)
+class KindResult:
+    """What ``check`` found for one device kind."""
+
+    kind: str
+    is_default: bool
+    opened: bool
+    kernel: bool
+    reason: str = ""
+
+
+async def _double(kind: str) -> list[int]:
+    dev = Device[kind]
+    source = DOUBLE_SOURCES.get(kind)
+    if source is None:
+        raise NotImplementedError(f"no check kernel in {kind}'s kernel language")
+    prog = await dev.compile(source, outs=(0,))
+    x = await dev.allocate(3, dtypes.int32)
+    out = await dev.allocate(3, dtypes.int32)
+    try:
+        dev.copyin(x, array.array("i", [1, 2, 3]))
+        dev.launch(prog, out, x)
+        return list(array.array("i", bytes(await dev.copyout(out))))
+    finally:
+        await dev.free(x)
+        await dev.free(out)
+
+
+def check_kind(kind: str, default: str | None) -> KindResult:
+    """Open ``kind`` and run the doubling kernel on it."""
+    is_default = kind == default
+    try:
+        if Device.backend(kind).file_backed:
+            return KindResult(kind, is_default, True, False, "file-backed: stores data, runs no kernels")
+        Device[kind]
+    except Exception as exc:
+        return KindResult(kind, is_default, False, False, f"open failed: {exc}")
+    try:
+        got = anyio.run(_double, kind)
+    except Exception as exc:
+        return KindResult(kind, is_default, True, False, f"{type(exc).__name__}: {exc}")
+    if got != [2, 4, 6]:
+        return KindResult(kind, is_default, True, False, f"[1, 2, 3] * 2 gave {got}")
+    return KindResult(kind, is_default, True, True)
+
+
+def run_check() -> int:
+    """Print PASS/FAIL for every kind; exit status 1 when the default device fails."""
+    try:
+        default: str | None = Device.DEFAULT
+    except Exception as exc:
+        print(f"no default device: {exc}")
+        default = None
+    results = [check_kind(kind, default) for kind in sorted(Device.kinds())]
+    for r in results:
+        mark = " (default)" if r.is_default else ""
+        print(
+            f"{r.kind}{mark}: open {'PASS' if r.opened else 'FAIL'}, kernel {'PASS' if r.kernel else 'FAIL'}"
+            + (f" - {r.reason}" if r.reason else "")
+        )
+    ok = default is not None and any(r.is_default and r.kernel for r in results)
+    return 0 if ok else 1

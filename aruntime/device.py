@@ -1,0 +1,357 @@
+"""The device registry and the device base class with the awaitable API."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import multiprocessing
+import os
+import pkgutil
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any, ClassVar
+
+import anyio
+
+from aruntime.allocator import Allocator, BufferSpec
+from aruntime.buffer import Buffer
+from aruntime.compiler import Compiler
+from aruntime.dtype import DType, dtypes
+from aruntime.engine import COPY, EXEC, Command, CommandQueue, CopyFn, Engine, Op, ThreadEngine
+from aruntime.errors import BufferUsageError, DeviceError
+from aruntime.events import DependencyEvent, DeviceEvent, recorder
+from aruntime.helpers import Pinned, canonicalize, getenv
+
+PRIORITY = ("CUDA", "CL", "CPU")
+"""Kinds tried in order for the default device (file-backed kinds and NULL are never the default)."""
+
+
+class Program:
+    """A compiled kernel of one device; the engine calls it with the launch's arguments."""
+
+    def __init__(self, device: BaseDevice, name: str, lib: bytes, outs: Sequence[int] | None = None) -> None:
+        self.device = device
+        self.name = name
+        self.lib = lib
+        self.outs = None if outs is None else tuple(outs)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} on {self.device.name}>"
+
+    def args(self, addresses: Sequence[int], vals: Sequence[int | float]) -> tuple[Any, ...]:
+        """The arguments the engine passes to :meth:`__call__` for these buffers and scalars."""
+        return (*addresses, *vals)
+
+    def __call__(self, *args: Any) -> None:
+        """Run the kernel (on an engine thread)."""
+
+
+class BaseDevice:
+    """A device: allocator, compiler, program type, a compute engine and a copy engine.
+
+    Every op method submits at once and returns an awaitable :class:`Op`;
+    dependencies between ops come from the byte ranges of the buffers they read
+    and write, and a wait is emitted only where a hazard crosses engines.
+    """
+
+    kind: ClassVar[str] = ""
+    file_backed: ClassVar[bool] = False
+    program_type: ClassVar[type[Program]] = Program
+    allocator_type: ClassVar[type[Allocator[Any]]]
+    compiler_type: ClassVar[type[Compiler] | None] = None
+    copy_fn: CopyFn
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.allocator = self.allocator_type(name)
+        self.compiler = None if self.compiler_type is None else self.compiler_type()
+        self.timeout = float(getenv("WAIT_TIMEOUT", 30.0))
+        self.compute: Engine = self._make_engine("compute")
+        self.copy: Engine = self._make_engine("copy")
+
+    def _make_engine(self, kind: str) -> Engine:
+        return ThreadEngine(self.name, kind, self.timeout, chunk=getenv("COPY_CHUNK", 8 << 20))
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"
+
+    # ---- capabilities -------------------------------------------------------------------------------
+
+    def is_dtype_supported(self, dtype: DType) -> bool:
+        """Whether kernels of this device can use ``dtype`` (bfloat16 only where really supported)."""
+        return dtype != dtypes.bfloat16
+
+    # ---- memory -------------------------------------------------------------------------------------
+
+    async def allocate(self, size: int, dtype: DType = dtypes.uint8, spec: BufferSpec | None = None) -> Buffer:
+        """A new allocated buffer of ``size`` elements of ``dtype`` on this device."""
+        return Buffer(self.name, size, dtype, spec, preallocate=True)
+
+    async def free(self, buf: Buffer) -> None:
+        """Free ``buf``. It is unusable at once; its memory is released when its in-flight ops finish.
+
+        Waits for that release; cancelling the wait does not stop the release.
+        """
+        self._check(buf, "free")
+        pending = buf.log.pending()
+        buf.deallocate()
+        for op in pending:
+            assert op.engine is not None
+            await op.engine.signal.wait_async(op.value)
+
+    # ---- ops ----------------------------------------------------------------------------------------
+
+    def _check(self, buf: Buffer, what: str) -> None:
+        if not isinstance(buf, Buffer):
+            raise BufferUsageError(f"{what}: expected a Buffer, got {type(buf).__name__}")
+        if buf.device != self.name:
+            raise BufferUsageError(f"{what}: {buf!r} belongs to {buf.device}, not {self.name}")
+        buf.handle  # noqa: B018 - raises if unallocated or freed
+
+    def _submit(
+        self,
+        engine: Engine,
+        name: str,
+        body: list[Command],
+        reads: Sequence[Buffer],
+        writes: Sequence[Buffer],
+        keep: Any,
+        result: Any = None,
+    ) -> Op:
+        op = Op(name, (), keep, result)
+        deps: list[Op] = []
+        for buf in reads:
+            buf.log.access(buf.offset, buf.offset + buf.nbytes, False, op, engine, deps)
+        for buf in writes:
+            buf.log.access(buf.offset, buf.offset + buf.nbytes, True, op, engine, deps)
+        op.deps = deps
+        cq = CommandQueue()
+        waits: dict[Engine, int] = {}
+        for dep in deps:
+            dep_engine = dep.engine
+            if dep_engine is not engine and dep_engine is not None and dep.value > waits.get(dep_engine, 0):
+                waits[dep_engine] = dep.value
+        if waits:
+            for dep_engine, value in waits.items():
+                cq.wait(dep_engine.signal, value)
+            if recorder.enabled:
+                recorder.events.extend(DependencyEvent(d.id, op.id) for d in deps if d.engine is not engine)
+        cq.cmds.extend(body)
+        return engine.submit(cq, op)
+
+    def copyin(self, buf: Buffer, data: Any) -> Op:
+        """Copy ``data`` (any C-contiguous buffer-protocol object of ``buf.nbytes`` bytes) into ``buf``.
+
+        Zero-copy from the source: it is held, unresizable, until the copy is done.
+        """
+        self._check(buf, "copyin")
+        src = Pinned(data)
+        if src.nbytes != buf.nbytes:
+            src.release()
+            raise BufferUsageError(f"copyin: source has {src.nbytes} bytes, {buf!r} has {buf.nbytes}")
+        body: list[Command] = [(COPY, f"copyin {buf.nbytes} B", self.copy_fn, buf.handle, src.address, buf.nbytes)]
+        return self._submit(self.copy, body[0][1], body, (), (buf,), (src, buf))
+
+    def copyout(self, buf: Buffer, into: Any = None) -> Op:
+        """Copy ``buf`` out; the op's result is ``into`` (a writable buffer) or a new bytearray."""
+        self._check(buf, "copyout")
+        dest = bytearray(buf.nbytes) if into is None else into
+        pin = Pinned(dest, writable=True)
+        if pin.nbytes != buf.nbytes:
+            pin.release()
+            raise BufferUsageError(f"copyout: destination has {pin.nbytes} bytes, {buf!r} has {buf.nbytes}")
+        name = f"copyout {buf.nbytes} B"
+        body: list[Command] = [(COPY, name, self.copy_fn, pin.address, buf.handle, buf.nbytes)]
+        return self._submit(self.copy, name, body, (buf,), (), (pin, buf), dest)
+
+    def transfer(self, dst: Buffer, src: Buffer) -> Op:
+        """Copy ``src`` (on this device) to ``dst`` (on any host-mapped device) on this device's copy engine.
+
+        The destination device's later work on ``dst`` waits for it.
+        """
+        self._check(src, "transfer")
+        if not isinstance(dst, Buffer):
+            raise BufferUsageError(f"transfer: expected a Buffer destination, got {type(dst).__name__}")
+        dst_dev = dst.owner
+        dst_dev._check(dst, "transfer")
+        if dst.nbytes != src.nbytes:
+            raise BufferUsageError(f"transfer: {src!r} has {src.nbytes} bytes, {dst!r} has {dst.nbytes}")
+        name = f"transfer {src.nbytes} B {self.name}->{dst_dev.name}"
+        body: list[Command] = [(COPY, name, self.copy_fn, dst.handle, src.handle, src.nbytes)]
+        return self._submit(self.copy, name, body, (src,), (dst,), (src, dst))
+
+    async def compile(self, src: str, name: str = "kernel", outs: Sequence[int] | None = None) -> Program:
+        """Compile ``src`` off the event loop (through the compile cache) and load kernel ``name``.
+
+        ``outs`` lists the indices of the buffers the kernel writes (default: all).
+        """
+        if not isinstance(src, str) or not isinstance(name, str):
+            raise TypeError("compile: src and name must be str")
+        if self.compiler is None:
+            raise DeviceError(f"{self.name} has no compiler")
+        compiler = self.compiler
+
+        def build() -> Program:
+            return self.program_type(self, name, compiler.compile_cached(src), outs)
+
+        return await anyio.to_thread.run_sync(build)
+
+    def launch(
+        self,
+        prog: Program,
+        *bufs: Buffer,
+        vals: Sequence[int | float] = (),
+        outs: Sequence[int] | None = None,
+    ) -> Op:
+        """Run ``prog`` on ``bufs`` and the scalar ``vals`` on the compute engine.
+
+        ``outs`` (default: the program's, else all) are the indices of the buffers it writes;
+        the others are only read.
+        """
+        if not isinstance(prog, Program) or prog.device is not self:
+            raise DeviceError(f"launch: {prog!r} is not a program of {self.name}")
+        for i, buf in enumerate(bufs):
+            self._check(buf, f"launch {prog.name} argument {i}")
+        for i, val in enumerate(vals):
+            if not isinstance(val, (int, float)):
+                raise TypeError(f"launch {prog.name}: scalar {i} must be int or float, got {type(val).__name__}")
+        written = outs if outs is not None else prog.outs
+        out_idx = set(range(len(bufs))) if written is None else set(written)
+        if any(not 0 <= i < len(bufs) for i in out_idx):
+            raise ValueError(f"launch {prog.name}: outs {sorted(out_idx)} out of range for {len(bufs)} buffers")
+        reads = [b for i, b in enumerate(bufs) if i not in out_idx]
+        writes = [b for i, b in enumerate(bufs) if i in out_idx]
+        args = prog.args([b.handle for b in bufs], vals)
+        body: list[Command] = [(EXEC, prog.name, prog, args)]
+        return self._submit(self.compute, prog.name, body, reads, writes, (prog, bufs))
+
+    # ---- completion ---------------------------------------------------------------------------------
+
+    def _raise_failures(self) -> None:
+        failed = self.compute.take_failures() + self.copy.take_failures()
+        if failed:
+            failed[0].observed = True
+            error = failed[0].error
+            assert error is not None
+            if len(failed) > 1 and sys.version_info >= (3, 11):
+                error.add_note(f"{len(failed) - 1} more op(s) on {self.name} failed unobserved")
+            raise error
+
+    async def synchronize(self) -> None:
+        """Wait for all work submitted so far; raise the first failure nobody awaited."""
+        for engine in (self.compute, self.copy):
+            await engine.signal.wait_async(engine.last)
+        self._raise_failures()
+
+    def synchronize_blocking(self) -> None:
+        """:meth:`synchronize` for threads outside any event loop."""
+        for engine in (self.compute, self.copy):
+            engine.signal.wait(engine.last)
+        self._raise_failures()
+
+    def finalize_profile(self) -> DeviceEvent:
+        """Called when profiling finishes: this device's clock offsets against the host clock."""
+        return DeviceEvent(self.name, 0.0, 0.0)
+
+    def close(self) -> None:
+        """Stop the engines once their work is done."""
+        self.compute.close()
+        self.copy.close()
+
+
+class _Registry:
+    """``Device[name]`` opens a device once and returns the same object after."""
+
+    def __init__(self) -> None:
+        self._opened: dict[str, BaseDevice] = {}
+        self._lock = threading.RLock()
+        self._default: str | None = None
+
+    canonicalize = staticmethod(canonicalize)
+
+    def kinds(self) -> dict[str, str]:
+        """Every known kind -> where its backend comes from (a module or an entry point)."""
+        import aruntime.backends as pkg
+
+        found = {m.name.upper(): f"aruntime.backends.{m.name}" for m in pkgutil.iter_modules(pkg.__path__)}
+        for ep in importlib.metadata.entry_points(group="aruntime.backends"):
+            found.setdefault(ep.name.upper(), ep.value)
+        return found
+
+    def backend(self, kind: str) -> type[BaseDevice]:
+        """The device class of ``kind``."""
+        where = self.kinds().get(kind)
+        if where is None:
+            raise DeviceError(f"unknown device kind {kind!r}; known kinds: {', '.join(sorted(self.kinds()))}")
+        module, _, attr = where.partition(":")
+        obj = getattr(importlib.import_module(module), attr or "device_class")
+        if not (isinstance(obj, type) and issubclass(obj, BaseDevice)):
+            raise DeviceError(f"backend {where} for {kind} is not a BaseDevice subclass")
+        return obj
+
+    def __getitem__(self, name: str | None) -> BaseDevice:
+        name = self.DEFAULT if name is None else canonicalize(name)
+        dev = self._opened.get(name)
+        if dev is not None:
+            return dev
+        with self._lock:
+            if name in self._opened:
+                return self._opened[name]
+            cls = self.backend(name.partition(":")[0])
+            if not cls.file_backed and multiprocessing.current_process().name != "MainProcess":
+                raise DeviceError(f"{name}: compute devices are opened only in the main process")
+            dev = self._opened[name] = cls(name)
+            return dev
+
+    @property
+    def opened(self) -> tuple[str, ...]:
+        """Names of the devices opened so far."""
+        return tuple(self._opened)
+
+    def devices(self) -> Iterator[BaseDevice]:
+        """The devices opened so far."""
+        return iter(tuple(self._opened.values()))
+
+    def available(self) -> list[str]:
+        """Kinds that open on this machine, in default-priority order first."""
+        kinds = sorted(self.kinds(), key=lambda k: (PRIORITY.index(k) if k in PRIORITY else len(PRIORITY), k))
+        ok = []
+        for kind in kinds:
+            try:
+                self[kind] if not self.backend(kind).file_backed else None
+            except Exception:
+                continue
+            ok.append(kind)
+        return ok
+
+    @property
+    def DEFAULT(self) -> str:
+        """The default device: a kind whose env var is 1, else the first of PRIORITY that opens."""
+        if self._default is not None:
+            return self._default
+        kinds = self.kinds()
+        chosen = [k for k in kinds if os.environ.get(k) == "1" and not self.backend(k).file_backed]
+        if len(chosen) > 1:
+            raise DeviceError(f"several device kinds are set to 1 in the environment: {', '.join(sorted(chosen))}")
+        if not chosen:
+            errors = []
+            for kind in PRIORITY:
+                if kind not in kinds:
+                    continue
+                try:
+                    self[kind]
+                except Exception as exc:
+                    errors.append(f"{kind}: {exc}")
+                    continue
+                chosen = [kind]
+                break
+            if not chosen:
+                raise DeviceError("no device could be opened: " + ("; ".join(errors) or "no backends found"))
+        self._default = chosen[0]
+        os.environ[self._default] = "1"
+        return self._default
+
+
+Device = _Registry()
+"""The device registry: ``Device["CPU:1"]``, ``Device.DEFAULT``, ``Device.opened``."""

@@ -1,0 +1,243 @@
+"""Ops, command queues and the engines that execute them.
+
+An :class:`Engine` owns a :class:`TimelineSignal`. Each submission is one
+:class:`CommandQueue` (a list of wait, signal, timestamp, exec and copy
+commands) plus the :class:`Op` handle that tracks it; the engine runs
+submissions in order and then sets its signal to the op's value, which wakes
+every thread and task waiting on that op. :class:`ThreadEngine` executes the
+commands on a Python worker thread; a backend with hardware queues subclasses
+:class:`Engine` and maps the same commands onto them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import queue
+import threading
+from collections.abc import Callable, Generator, Sequence
+from typing import Any
+
+from aruntime.errors import DependencyError, OpError
+from aruntime.events import RangeEvent, now_us, op_ids, recorder
+from aruntime.signal import TimelineSignal
+
+WAIT, SIGNAL, TIMESTAMP, EXEC, COPY = range(5)
+Command = tuple[Any, ...]
+CopyFn = Callable[[int, int, int], object]
+
+
+class CommandQueue:
+    """A chainable list of commands, submitted to an engine as one unit."""
+
+    __slots__ = ("cmds",)
+
+    def __init__(self) -> None:
+        self.cmds: list[Command] = []
+
+    def wait(self, signal: TimelineSignal, value: int) -> CommandQueue:
+        """Block the engine until ``signal`` reaches ``value``."""
+        self.cmds.append((WAIT, signal, value))
+        return self
+
+    def signal(self, signal: TimelineSignal, value: int) -> CommandQueue:
+        """Set ``signal`` to ``value``."""
+        self.cmds.append((SIGNAL, signal, value))
+        return self
+
+    def timestamp(self, sink: list[float]) -> CommandQueue:
+        """Append the engine's clock (host µs) to ``sink`` when this command runs."""
+        self.cmds.append((TIMESTAMP, sink))
+        return self
+
+    def exec(self, name: str, fn: Callable[..., object], args: Sequence[Any] = ()) -> CommandQueue:
+        """Run the program ``fn(*args)``."""
+        self.cmds.append((EXEC, name, fn, tuple(args)))
+        return self
+
+    def copy(self, name: str, fn: CopyFn, dst: int, src: int, nbytes: int) -> CommandQueue:
+        """Copy ``nbytes`` with ``fn(dst, src, n)``; the engine may split it into chunks."""
+        self.cmds.append((COPY, name, fn, dst, src, nbytes))
+        return self
+
+
+class Op:
+    """The awaitable handle of one submission.
+
+    ``await op`` (or ``op.wait()`` from a thread) returns the op's result once
+    the engine has run it, or raises the error it failed with. Cancelling the
+    awaiting task stops only the waiting: the op still runs.
+    """
+
+    __slots__ = ("deps", "engine", "error", "id", "keep", "name", "observed", "result", "value")
+
+    def __init__(self, name: str, deps: Sequence[Op] = (), keep: Any = None, result: Any = None) -> None:
+        self.name = name
+        self.deps = deps
+        self.keep = keep
+        self.result = result
+        self.error: BaseException | None = None
+        self.observed = False
+        self.engine: Engine | None = None
+        self.value = 0
+        self.id = next(op_ids)
+
+    def __repr__(self) -> str:
+        state = "failed" if self.error is not None else "done" if self.done() else "pending"
+        return f"<Op #{self.id} {self.name} {state}>"
+
+    def done(self) -> bool:
+        """Whether the engine has finished with this op (successfully or not)."""
+        engine = self.engine
+        return engine is not None and engine.signal.value >= self.value
+
+    def _outcome(self) -> Any:
+        if self.error is not None:
+            self.observed = True
+            raise self.error
+        return self.result
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self._wait_async().__await__()
+
+    async def _wait_async(self) -> Any:
+        engine = self._submitted()
+        if engine.signal.value < self.value:
+            await engine.signal.wait_async(self.value)
+        return self._outcome()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block the calling thread until the op is done; return its result or raise its error."""
+        self.wait_done(timeout)
+        return self._outcome()
+
+    def wait_done(self, timeout: float | None = None) -> None:
+        """Block the calling thread until the op is done, whatever its outcome."""
+        self._submitted().signal.wait(self.value, timeout)
+
+    def _submitted(self) -> Engine:
+        if self.engine is None:
+            raise RuntimeError(f"{self.name}: this op was never submitted")
+        return self.engine
+
+
+class Engine:
+    """Runs submissions in order and advances its timeline signal after each one.
+
+    Subclasses implement :meth:`_enqueue` to hand ``(cmds, op)`` to whatever
+    executes them; whatever executes them calls :meth:`_complete` afterwards.
+    """
+
+    def __init__(self, device: str, kind: str, timeout: float) -> None:
+        self.device = device
+        self.kind = kind
+        self.is_copy = kind == "copy"
+        self.signal = TimelineSignal(f"{device} {kind} queue", timeout)
+        self.last = 0
+        self.failed: list[Op] = []
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.signal.name}>"
+
+    def submit(self, cq: CommandQueue, op: Op) -> Op:
+        """Hand ``cq`` to the engine; ``op`` completes when it has run. Never blocks."""
+        with self._lock:
+            self.last = op.value = self.last + 1
+            op.engine = self
+            self._enqueue(cq.cmds, op)
+        return op
+
+    def _enqueue(self, cmds: list[Command], op: Op) -> None:
+        raise NotImplementedError
+
+    def _complete(self, op: Op, error: BaseException | None) -> None:
+        if error is not None:
+            if not isinstance(error, OpError):
+                wrapped = OpError(f"{op.name} failed on {self.signal.name}: {error!r}")
+                wrapped.__cause__ = error
+                error = wrapped
+            op.error = error
+            self.failed.append(op)
+        op.keep = None
+        op.deps = ()
+        self.signal.set(op.value)
+
+    def take_failures(self) -> list[Op]:
+        """The failed ops nobody awaited since the last call (and forget them)."""
+        failed, self.failed = self.failed, []
+        return [op for op in failed if not op.observed]
+
+    def close(self) -> None:
+        """Stop accepting work once everything submitted has run."""
+
+
+def _check_deps(op: Op) -> None:
+    for dep in op.deps:
+        error = dep.error
+        if error is not None:
+            first = error.first if isinstance(error, DependencyError) else dep.name
+            raise DependencyError(f"{op.name} was not run: it depends on {first}, which failed", first)
+
+
+class ThreadEngine(Engine):
+    """An engine whose commands run on one Python worker thread.
+
+    ``chunk`` bounds the bytes of one copy call, so a big copy is a series of
+    short calls (each releases the GIL) rather than one long one.
+    """
+
+    def __init__(self, device: str, kind: str, timeout: float, chunk: int = 8 << 20) -> None:
+        super().__init__(device, kind, timeout)
+        self.chunk = chunk
+        self._queue: queue.SimpleQueue[tuple[list[Command], Op] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=self.signal.name, daemon=True)
+        self._thread.start()
+
+    def _enqueue(self, cmds: list[Command], op: Op) -> None:
+        self._queue.put((cmds, op))
+
+    def close(self) -> None:
+        self._queue.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _run(self) -> None:
+        get = self._queue.get
+        while (item := get()) is not None:
+            cmds, op = item
+            try:
+                self._execute(cmds, op)
+            except BaseException as exc:  # the op's awaiter (or synchronize) receives it
+                self._complete(op, exc)
+            else:
+                self._complete(op, None)
+
+    def _execute(self, cmds: list[Command], op: Op) -> None:
+        checked = False
+        for cmd in cmds:
+            kind = cmd[0]
+            if kind == WAIT:
+                cmd[1].wait(cmd[2])
+                continue
+            if kind == SIGNAL:
+                cmd[1].set(cmd[2])
+                continue
+            if kind == TIMESTAMP:
+                cmd[1].append(now_us())
+                continue
+            if not checked:
+                _check_deps(op)
+                checked = True
+            start = now_us()
+            if kind == EXEC:
+                cmd[2](*cmd[3])
+            else:
+                _, _, fn, dst, src, nbytes = cmd
+                step = self.chunk
+                for off in range(0, nbytes, step):
+                    fn(dst + off, src + off, min(step, nbytes - off))
+            if recorder.enabled:
+                recorder.events.append(RangeEvent(self.device, cmd[1], start, now_us(), self.is_copy, op.id))
+
+
+memmove: CopyFn = ctypes.memmove

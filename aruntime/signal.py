@@ -1,0 +1,121 @@
+"""Timeline signals: thread-safe monotonic counters that threads and tasks wait on."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from functools import partial
+
+from aruntime.errors import SignalTimeout
+from aruntime.wakeup import TrioWaiter, asyncio_waker, trio_waker
+
+
+class TimelineSignal:
+    """A monotonic counter. ``wait``/``wait_async`` pass once ``value >= target``.
+
+    ``name`` says whose signal it is (device and queue), so a timed-out wait can
+    name it. The engine that owns the signal advances it with :meth:`set`;
+    callbacks registered with :meth:`on_reach` run on the thread that advances
+    it (or at once, if the value was already reached).
+    """
+
+    __slots__ = ("_blocked", "_callbacks", "_cond", "_lock", "name", "timeout", "value")
+
+    def __init__(self, name: str, timeout: float) -> None:
+        self.name = name
+        self.timeout = timeout
+        self.value = 0
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._callbacks: dict[int, list[Callable[[], None]]] = {}
+        self._blocked = 0
+
+    def __repr__(self) -> str:
+        return f"<TimelineSignal {self.name} value={self.value}>"
+
+    def set(self, value: int) -> None:
+        """Advance the counter to ``value`` and wake everything waiting for it."""
+        with self._lock:
+            old = self.value
+            if value <= old:
+                raise ValueError(f"{self.name}: timeline must increase (at {old}, asked to set {value})")
+            self.value = value
+            callbacks = self._callbacks
+            fired = [callbacks.pop(v) for v in range(old + 1, value + 1) if v in callbacks]
+            if self._blocked:
+                self._cond.notify_all()
+        for group in fired:
+            for callback in group:
+                callback()
+
+    def on_reach(self, value: int, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the counter reaches ``value`` (now, if it already has)."""
+        with self._lock:
+            if self.value < value:
+                self._callbacks.setdefault(value, []).append(callback)
+                return
+        callback()
+
+    def _timeout_error(self, value: int, timeout: float) -> SignalTimeout:
+        return SignalTimeout(
+            f"{self.name}: wait for value >= {value} did not pass within {timeout:g} s (signal value is {self.value})"
+        )
+
+    def wait(self, value: int, timeout: float | None = None) -> None:
+        """Block this thread until ``value`` is reached; raise :class:`SignalTimeout` after ``timeout``."""
+        if self.value >= value:
+            return
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        with self._lock:
+            self._blocked += 1
+            try:
+                while self.value < value:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or (not self._cond.wait(left) and self.value < value):
+                        raise self._timeout_error(value, limit)
+            finally:
+                self._blocked -= 1
+
+    async def wait_async(self, value: int, timeout: float | None = None) -> None:
+        """Suspend the current task (asyncio or trio) until ``value`` is reached, without polling."""
+        if self.value >= value:
+            return
+        limit = self.timeout if timeout is None else timeout
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            await self._wait_trio(value, limit)
+            return
+        fut: asyncio.Future[None] = loop.create_future()
+        self.on_reach(value, partial(asyncio_waker(loop).post, fut))
+        if fut.done():
+            return
+        timer = loop.call_later(limit, _expire, fut, self, value, limit)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+
+    async def _wait_trio(self, value: int, limit: float) -> None:
+        import trio
+
+        waiter = TrioWaiter(trio.lowlevel.current_task())
+        self.on_reach(value, partial(trio_waker().post, waiter))
+
+        def abort(_: object) -> trio.lowlevel.Abort:
+            waiter.live = False
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        try:
+            with trio.fail_after(limit):
+                await trio.lowlevel.wait_task_rescheduled(abort)
+        except trio.TooSlowError:
+            raise self._timeout_error(value, limit) from None
+
+
+def _expire(fut: asyncio.Future[None], signal: TimelineSignal, value: int, limit: float) -> None:
+    if not fut.done():
+        fut.set_exception(signal._timeout_error(value, limit))
