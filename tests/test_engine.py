@@ -1,0 +1,277 @@
+"""The engine layer: timeline signals, queues, the CPU and NULL devices, errors and cancellation."""
+
+from __future__ import annotations
+
+import array
+import threading
+from typing import Any
+
+import anyio
+import pytest
+
+from aruntime import BufferUsageError, CompileError, Device, DeviceError, OpError, SignalTimeout, dtypes
+from aruntime.device import BaseDevice, Program
+from aruntime.events import RangeEvent, recorder
+from aruntime.signal import TimelineSignal
+from tests.kernels import ADD_ONE, GATE, SCALE
+
+pytestmark = pytest.mark.anyio
+
+SPINS = 4_000_000_000  # far more than any test waits; a gate that is never opened would hang the test's fail_after
+
+
+async def test_signal_wakes_async_waiters_from_a_thread() -> None:
+    sig = TimelineSignal("test signal", timeout=5)
+    seen: list[int] = []
+
+    async def waiter(v: int) -> None:
+        await sig.wait_async(v)
+        seen.append(v)
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            for v in (3, 1, 2):
+                tg.start_soon(waiter, v)
+            await anyio.wait_all_tasks_blocked()
+            threading.Thread(target=lambda: [sig.set(v) for v in (1, 2, 3)]).start()
+    assert sorted(seen) == [1, 2, 3]
+
+
+async def test_signal_async_wait_times_out_naming_signal_and_values() -> None:
+    sig = TimelineSignal("CPU:7 compute queue", timeout=0.05)
+    sig.set(2)
+    with pytest.raises(SignalTimeout, match=r"CPU:7 compute queue: wait for value >= 5 .* \(signal value is 2\)"):
+        await sig.wait_async(5)
+
+
+def test_signal_thread_wait_and_timeout() -> None:
+    sig = TimelineSignal("copy queue", timeout=0.05)
+    threading.Thread(target=sig.set, args=(4,)).start()
+    sig.wait(4, timeout=5)
+    with pytest.raises(SignalTimeout, match="value >= 9"):
+        sig.wait(9)
+    with pytest.raises(ValueError, match="must increase"):
+        sig.set(3)
+
+
+async def test_copy_launch_copyout_roundtrip() -> None:
+    dev = Device["CPU"]
+    prog = await dev.compile(SCALE, outs=(0,))
+    x = await dev.allocate(1000, dtypes.float32)
+    out = await dev.allocate(1000, dtypes.float32)
+    dev.copyin(x, array.array("f", range(1000)))
+    dev.launch(prog, out, x, vals=(1000, 0.5))  # not awaited: the copy-out still sees its result
+    got = array.array("f", bytes(await dev.copyout(out)))
+    assert list(got) == [i * 0.5 for i in range(1000)]
+    await dev.free(x)
+    await dev.free(out)
+
+
+async def test_numpy_zero_copy_in_and_into_caller_buffer() -> None:
+    np = pytest.importorskip("numpy")
+    dev = Device["CPU"]
+    prog = await dev.compile(ADD_ONE)
+    buf = await dev.allocate(4096)
+    src = np.arange(4096, dtype=np.uint8)
+    await dev.copyin(buf, src)
+    dev.launch(prog, buf, vals=(4096,))
+    dest = np.zeros(4096, dtype=np.uint8)
+    result = await dev.copyout(buf, into=dest)
+    assert result is dest
+    assert (dest == (src + 1)).all()
+    with pytest.raises(BufferUsageError, match="C-contiguous"):
+        dev.copyin(buf, np.zeros(8192, dtype=np.uint8)[::2])
+    await dev.free(buf)
+
+
+async def test_devices_are_independent() -> None:
+    a, b = Device["CPU"], Device["CPU:1"]
+    assert a is not b and a.compute is not b.compute
+    assert Device["cpu:1"] is b
+    buf = await b.allocate(8)
+    with pytest.raises(BufferUsageError, match="belongs to CPU:1, not CPU"):
+        a.copyin(buf, bytes(8))
+    await b.free(buf)
+
+
+async def test_compute_and_copy_engines_overlap() -> None:
+    """A kernel spins until a copy on the same device's copy engine opens its gate: only overlap ends it."""
+    dev = Device["CPU"]
+    gate_prog = await dev.compile(GATE, outs=(0,))
+    flag = await dev.allocate(1, dtypes.int32)
+    out = await dev.allocate(1, dtypes.int32)
+    await dev.copyin(flag, array.array("i", [0]))
+    with anyio.fail_after(10):
+        kernel = dev.launch(gate_prog, out, vals=(flag.handle, SPINS))
+        await anyio.wait_all_tasks_blocked()
+        await dev.copyin(flag, array.array("i", [7]))  # runs while the kernel is still spinning
+        await kernel
+    assert array.array("i", bytes(await dev.copyout(out)))[0] == 7
+    await dev.free(flag)
+    await dev.free(out)
+
+
+async def test_compile_error_carries_compiler_message() -> None:
+    with pytest.raises(CompileError, match="error: .*undeclared_thing"):
+        await Device["CPU"].compile("void kernel(int *o) { o[0] = undeclared_thing; }")
+
+
+async def test_many_compiles_at_once() -> None:
+    dev = Device["CPU"]
+    progs: list[Program] = []
+
+    async def build(i: int) -> None:
+        progs.append(await dev.compile(f"void kernel(int *o) {{ o[0] = {i}; }}\n"))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(6):
+            tg.start_soon(build, i)
+    assert len(progs) == 6
+
+
+async def test_bad_arguments_raise_before_anything_is_enqueued() -> None:
+    dev = Device["CPU"]
+    prog = await dev.compile(ADD_ONE)
+    buf = await dev.allocate(16)
+    before = (dev.compute.last, dev.copy.last)
+    with pytest.raises(BufferUsageError, match="source has 15 bytes"):
+        dev.copyin(buf, bytes(15))
+    with pytest.raises(BufferUsageError, match="destination has 17 bytes"):
+        dev.copyout(buf, into=bytearray(17))
+    with pytest.raises(TypeError, match="scalar 0 must be int or float"):
+        dev.launch(prog, buf, vals=("16",))  # type: ignore[arg-type]
+    with pytest.raises(BufferUsageError, match="positive"):
+        await dev.allocate(0)
+    with pytest.raises(BufferUsageError, match="positive"):
+        await dev.allocate(-4)
+    with pytest.raises(DeviceError, match="not a program of CPU:1"):
+        Device["CPU:1"].launch(prog, buf)
+    await dev.free(buf)
+    with pytest.raises(BufferUsageError, match="was freed"):
+        dev.launch(prog, buf, vals=(16,))
+    with pytest.raises(BufferUsageError, match="was freed"):
+        dev.copyout(buf)
+    assert (dev.compute.last, dev.copy.last) == before
+
+
+class _Failing(Program):
+    def __call__(self, *args: Any) -> None:
+        raise ArithmeticError("kernel blew up")
+
+
+async def test_failure_reaches_awaiter_and_device_stays_usable() -> None:
+    dev = Device["CPU"]
+    bad = _Failing(dev, "bad", b"")
+    good = await dev.compile(ADD_ONE)
+    buf = await dev.allocate(4)
+    await dev.copyin(buf, bytes(4))
+    with pytest.raises(OpError, match="kernel blew up") as info:
+        await dev.launch(bad, buf)
+    assert isinstance(info.value.__cause__, ArithmeticError)
+    dev.launch(good, buf, vals=(4,))
+    assert bytes(await dev.copyout(buf)) == b"\x01" * 4
+    await dev.synchronize()  # the failure was observed: nothing to raise
+
+
+async def test_unawaited_failure_raises_at_synchronize_then_clears() -> None:
+    dev = Device["CPU:1"]
+    buf = await dev.allocate(4)
+    dev.launch(_Failing(dev, "bad", b""), buf)
+    with pytest.raises(OpError, match="bad failed on CPU:1 compute queue"):
+        await dev.synchronize()
+    await dev.synchronize()
+    await dev.free(buf)
+
+
+async def test_dependent_op_fails_naming_the_first_failure() -> None:
+    dev = Device["CPU"]
+    buf = await dev.allocate(4)
+    dev.launch(_Failing(dev, "producer", b""), buf)
+    with pytest.raises(OpError, match="depends on producer, which failed"):
+        await dev.copyout(buf)
+    with pytest.raises(OpError, match="producer"):
+        await dev.synchronize()
+    await dev.free(buf)
+
+
+async def test_cancelled_wait_leaves_op_running_and_memory_held() -> None:
+    dev = Device["CPU"]
+    alloc = dev.allocator
+    gate = await dev.compile(GATE, outs=(0,))
+    flag = await dev.allocate(1, dtypes.int32)
+    await dev.copyin(flag, array.array("i", [0]))
+    in_use = alloc.in_use
+    out = await dev.allocate(1, dtypes.int32)
+    op = dev.launch(gate, out, vals=(flag.handle, SPINS))
+    with anyio.move_on_after(0.01) as scope:  # cancel the wait; the kernel keeps spinning
+        await op
+    assert scope.cancelled_caught and not op.done()
+    handle = out.handle
+    with anyio.move_on_after(0.01):  # cancel-then-free: the release is deferred until the op is done
+        await dev.free(out)
+    assert not out.is_allocated()
+    assert alloc.in_use == in_use + 4, "memory of a running op must not be released"
+    other = await dev.allocate(1, dtypes.int32)  # cancel-then-reuse: the held handle is not handed out
+    assert other.handle != handle
+    with anyio.fail_after(10):
+        await dev.copyin(flag, array.array("i", [1]))
+        await op
+    assert alloc.in_use == in_use + 4  # `out` released, `other` live
+    await dev.free(other)
+    await dev.free(flag)
+    assert alloc.in_use == in_use - 4
+
+
+def test_await_from_another_loop_and_thread(anyio_backend: Any) -> None:
+    """An op submitted from one event loop is awaited on another loop in another thread."""
+    backend, options = anyio_backend
+    dev = Device["NULL"]
+    result: list[Any] = []
+
+    async def submit() -> Any:
+        buf = await dev.allocate(64)
+        return dev.copyout(buf)
+
+    op = anyio.run(submit, backend=backend, backend_options=options)
+
+    def other() -> None:
+        async def wait() -> None:
+            result.append(await op)
+
+        anyio.run(wait, backend="trio" if backend == "asyncio" else "asyncio")
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join(10)
+    assert result and len(result[0]) == 64
+    assert op.wait(timeout=1) is result[0]
+
+
+async def test_profile_ranges_recorded_per_engine() -> None:
+    dev = Device["CPU:2"]
+    prog = await dev.compile(ADD_ONE)
+    buf = await dev.allocate(64)
+    recorder.enabled = True
+    try:
+        mark = len(recorder.events)
+        await dev.copyin(buf, bytes(64))
+        await dev.launch(prog, buf, vals=(64,))
+    finally:
+        recorder.enabled = False
+    ranges = [e for e in recorder.events[mark:] if isinstance(e, RangeEvent) and e.device == "CPU:2"]
+    assert [(r.name, r.is_copy) for r in ranges] == [("copyin 64 B", True), ("kernel", False)]
+    assert all(r.start <= r.end for r in ranges) and ranges[0].end <= ranges[1].start
+    await dev.free(buf)
+
+
+async def test_null_device_completes_ops() -> None:
+    dev = Device["NULL"]
+    assert isinstance(dev, BaseDevice)
+    prog = await dev.compile("anything")
+    buf = await dev.allocate(1 << 20)
+    ops = [dev.launch(prog, buf) for _ in range(1000)]
+    for op in ops:
+        await op
+    assert all(op.done() for op in ops)
+    await dev.synchronize()
+    await dev.free(buf)
