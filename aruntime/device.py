@@ -127,11 +127,7 @@ class BaseDevice:
             buf.log.access(buf.offset, buf.offset + buf.nbytes, True, op, engine, deps)
         op.deps = deps
         cq = CommandQueue()
-        waits: dict[Engine, int] = {}
-        for dep in deps:
-            dep_engine = dep.engine
-            if dep_engine is not engine and dep_engine is not None and dep.value > waits.get(dep_engine, 0):
-                waits[dep_engine] = dep.value
+        waits = cross_engine_waits(deps, engine)
         if waits:
             for dep_engine, value in waits.items():
                 cq.wait(dep_engine.signal, value)
@@ -197,6 +193,21 @@ class BaseDevice:
 
         return await anyio.to_thread.run_sync(build)
 
+    def _launch_access(
+        self, prog: Program, bufs: Sequence[Buffer], outs: Sequence[int] | None
+    ) -> tuple[tuple[Buffer, ...], tuple[Buffer, ...]]:
+        """Check a launch's program and buffers; split the buffers into (read only, written)."""
+        if not isinstance(prog, Program) or prog.device is not self:
+            raise DeviceError(f"launch: {prog!r} is not a program of {self.name}")
+        for i, buf in enumerate(bufs):
+            self._check(buf, f"launch {prog.name} argument {i}")
+        written = outs if outs is not None else prog.outs
+        out_idx = set(range(len(bufs))) if written is None else set(written)
+        if any(not 0 <= i < len(bufs) for i in out_idx):
+            raise ValueError(f"launch {prog.name}: outs {sorted(out_idx)} out of range for {len(bufs)} buffers")
+        reads = tuple(b for i, b in enumerate(bufs) if i not in out_idx)
+        return reads, tuple(b for i, b in enumerate(bufs) if i in out_idx)
+
     def launch(
         self,
         prog: Program,
@@ -209,19 +220,10 @@ class BaseDevice:
         ``outs`` (default: the program's, else all) are the indices of the buffers it writes;
         the others are only read.
         """
-        if not isinstance(prog, Program) or prog.device is not self:
-            raise DeviceError(f"launch: {prog!r} is not a program of {self.name}")
-        for i, buf in enumerate(bufs):
-            self._check(buf, f"launch {prog.name} argument {i}")
+        reads, writes = self._launch_access(prog, bufs, outs)
         for i, val in enumerate(vals):
             if not isinstance(val, (int, float)):
                 raise TypeError(f"launch {prog.name}: scalar {i} must be int or float, got {type(val).__name__}")
-        written = outs if outs is not None else prog.outs
-        out_idx = set(range(len(bufs))) if written is None else set(written)
-        if any(not 0 <= i < len(bufs) for i in out_idx):
-            raise ValueError(f"launch {prog.name}: outs {sorted(out_idx)} out of range for {len(bufs)} buffers")
-        reads = [b for i, b in enumerate(bufs) if i not in out_idx]
-        writes = [b for i, b in enumerate(bufs) if i in out_idx]
         args = prog.args([b.handle for b in bufs], vals)
         body: list[Command] = [(EXEC, prog.name, prog, args)]
         return self._submit(self.compute, prog.name, body, reads, writes, (prog, bufs))
@@ -260,6 +262,19 @@ class BaseDevice:
         self.copy.close()
 
 
+def cross_engine_waits(deps: Sequence[Op], engine: Engine) -> dict[Engine, int]:
+    """For each other engine among ``deps``, the latest value ``engine`` must wait for.
+
+    Dependencies on ``engine`` itself need no wait: its queue runs in order.
+    """
+    waits: dict[Engine, int] = {}
+    for dep in deps:
+        dep_engine = dep.engine
+        if dep_engine is not engine and dep_engine is not None and dep.value > waits.get(dep_engine, 0):
+            waits[dep_engine] = dep.value
+    return waits
+
+
 class _Registry:
     """``Device[name]`` opens a device once and returns the same object after."""
 
@@ -285,7 +300,10 @@ class _Registry:
         if where is None:
             raise DeviceError(f"unknown device kind {kind!r}; known kinds: {', '.join(sorted(self.kinds()))}")
         module, _, attr = where.partition(":")
-        obj = getattr(importlib.import_module(module), attr or "device_class")
+        try:
+            obj = getattr(importlib.import_module(module), attr or "device_class")
+        except Exception as exc:  # an import error, a missing class, or the module's own failure
+            raise DeviceError(f"backend {where} for {kind} could not be loaded: {exc}") from exc
         if not (isinstance(obj, type) and issubclass(obj, BaseDevice)):
             raise DeviceError(f"backend {where} for {kind} is not a BaseDevice subclass")
         return obj
@@ -355,3 +373,10 @@ class _Registry:
 
 Device = _Registry()
 """The device registry: ``Device["CPU:1"]``, ``Device.DEFAULT``, ``Device.opened``."""
+
+
+def is_dtype_supported(dtype: DType, device: str | None = None) -> bool:
+    """Whether ``device`` (default: the default device) supports ``dtype``; opens the device if needed."""
+    if not isinstance(dtype, DType):
+        raise TypeError(f"is_dtype_supported: expected a DType, got {type(dtype).__name__}")
+    return Device[device].is_dtype_supported(dtype)

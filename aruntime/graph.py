@@ -1,0 +1,318 @@
+"""Graphs: capture a sequence of ops once, replay it with new inputs at low cost per op.
+
+A replay hands each engine one prepared command queue holding all of that
+engine's entries. Inside a replay, an entry that depends on an entry of
+another engine waits on the graph's own per-engine progress signal, and only
+where such a hazard crosses engines; entries on one engine stay in order.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from aruntime.buffer import Buffer
+from aruntime.device import BaseDevice, Program, cross_engine_waits
+from aruntime.engine import COPY, EXEC, SIGNAL, TIMESTAMP, WAIT, Command, CommandQueue, Engine, Op
+from aruntime.errors import BufferUsageError, DependencyError
+from aruntime.events import GraphEntry, GraphEvent, recorder
+from aruntime.helpers import Pinned
+from aruntime.signal import TimelineSignal
+
+_graph_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class Param:
+    """A scalar launch argument whose value is given by name at each replay."""
+
+    name: str
+
+
+@dataclass
+class _Entry:
+    kind: str  # "copyin" | "copyout" | "transfer" | "launch"
+    device: BaseDevice
+    engine: Engine
+    name: str
+    reads: tuple[Buffer, ...]
+    writes: tuple[Buffer, ...]
+    host: str = ""
+    prog: Program | None = None
+    bufs: tuple[Buffer, ...] = ()
+    vals: tuple[int | float | Param, ...] = ()
+
+
+@dataclass
+class _Plan:
+    engines: list[Engine]
+    order: dict[Engine, list[int]]
+    pos: list[int]
+    waits: list[list[tuple[Engine, int]]]
+    signals: list[bool]
+    deps: tuple[tuple[int, ...], ...]
+    progress: dict[Engine, TimelineSignal]
+
+
+def _overlaps(a: Buffer, b: Buffer) -> bool:
+    return a.base is b.base and a.offset < b.offset + b.nbytes and b.offset < a.offset + a.nbytes
+
+
+class Graph:
+    """A captured sequence of copy-in, launch, copy-out and transfer ops over fixed buffers.
+
+    Capture with :meth:`copyin` (host data named, given at replay), :meth:`launch`
+    (scalars may be :class:`Param`), :meth:`copyout` (result named) and
+    :meth:`transfer`; then :meth:`replay` as often as needed, optionally with
+    other buffers of the same device and size in place of captured ones.
+    """
+
+    def __init__(self) -> None:
+        self.id = next(_graph_ids)
+        self.entries: list[_Entry] = []
+        self._plan: _Plan | None = None
+        self._runs = 0
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<Graph #{self.id} {len(self.entries)} entries>"
+
+    def _add(self, entry: _Entry) -> None:
+        self.entries.append(entry)
+        self._plan = None
+
+    def copyin(self, buf: Buffer, source: str) -> None:
+        """Capture a copy of the host input named ``source`` into ``buf``."""
+        dev = buf.owner
+        dev._check(buf, "graph copyin")
+        self._add(_Entry("copyin", dev, dev.copy, f"copyin {buf.nbytes} B", (), (buf,), host=source))
+
+    def copyout(self, buf: Buffer, dest: str) -> None:
+        """Capture a copy of ``buf`` to the host; the replay's result ``dest`` holds it."""
+        dev = buf.owner
+        dev._check(buf, "graph copyout")
+        self._add(_Entry("copyout", dev, dev.copy, f"copyout {buf.nbytes} B", (buf,), (), host=dest))
+
+    def transfer(self, dst: Buffer, src: Buffer) -> None:
+        """Capture a device-to-device copy on the source's copy engine."""
+        dev = src.owner
+        dev._check(src, "graph transfer")
+        dst.owner._check(dst, "graph transfer")
+        if dst.nbytes != src.nbytes:
+            raise BufferUsageError(f"graph transfer: {src!r} has {src.nbytes} bytes, {dst!r} has {dst.nbytes}")
+        self._add(_Entry("transfer", dev, dev.copy, f"transfer {src.nbytes} B", (src,), (dst,)))
+
+    def launch(
+        self,
+        prog: Program,
+        *bufs: Buffer,
+        vals: Sequence[int | float | Param] = (),
+        outs: Sequence[int] | None = None,
+    ) -> None:
+        """Capture a kernel launch; scalars given as :class:`Param` are named inputs of each replay."""
+        dev = prog.device
+        reads, writes = dev._launch_access(prog, bufs, outs)
+        for i, val in enumerate(vals):
+            if not isinstance(val, (int, float, Param)):
+                raise TypeError(f"graph launch {prog.name}: scalar {i} must be int, float or Param")
+        self._add(_Entry("launch", dev, dev.compute, prog.name, reads, writes, prog=prog, bufs=bufs, vals=tuple(vals)))
+
+    def _build(self) -> _Plan:
+        entries = self.entries
+        if not entries:
+            raise ValueError(f"{self!r} has no entries to replay")
+        order: dict[Engine, list[int]] = {}
+        pos: list[int] = []
+        for i, entry in enumerate(entries):
+            order.setdefault(entry.engine, []).append(i)
+            pos.append(len(order[entry.engine]))
+        deps: list[tuple[int, ...]] = []
+        waits: list[list[tuple[Engine, int]]] = []
+        signals = [False] * len(entries)
+        for i, entry in enumerate(entries):
+            mine = []
+            for j in range(i):
+                other = entries[j]
+                if any(
+                    _overlaps(a, b)
+                    for a, b in itertools.chain(
+                        itertools.product(entry.writes, other.reads + other.writes),
+                        itertools.product(entry.reads, other.writes),
+                    )
+                ):
+                    mine.append(j)
+            deps.append(tuple(mine))
+            latest: dict[Engine, int] = {}
+            for j in mine:
+                engine = entries[j].engine
+                if engine is not entry.engine:
+                    latest[engine] = max(latest.get(engine, 0), pos[j])
+                    signals[j] = True
+            waits.append(list(latest.items()))
+        progress = {e: TimelineSignal(f"graph#{self.id} {e.signal.name} progress", e.signal.timeout) for e in order}
+        return _Plan(list(order), order, pos, waits, signals, tuple(deps), progress)
+
+    def replay(self, buffers: dict[Buffer, Buffer] | None = None, **inputs: Any) -> GraphRun:
+        """Submit the whole graph once; returns a :class:`GraphRun` to await.
+
+        ``buffers`` maps captured buffers to replacements (same device and size);
+        ``inputs`` gives every copy-in source and :class:`Param` by name, and may
+        give a writable destination for a copy-out (else a new bytearray).
+        """
+        with self._lock:
+            plan = self._plan = self._plan or self._build()
+            run_index = self._runs
+            self._runs += 1
+        subst = self._substitutions(buffers or {})
+        needed = {e.host for e in self.entries if e.kind == "copyin"}
+        needed |= {v.name for e in self.entries for v in e.vals if isinstance(v, Param)}
+        missing = needed - inputs.keys()
+        if missing:
+            raise ValueError(f"{self!r} replay is missing inputs: {', '.join(sorted(missing))}")
+        unknown = inputs.keys() - needed - {e.host for e in self.entries if e.kind == "copyout"}
+        if unknown:
+            raise ValueError(f"{self!r} replay got unknown inputs: {', '.join(sorted(unknown))}")
+        timing = recorder.enabled
+        times: list[list[float]] = [[] for _ in self.entries]
+        results: dict[str, Any] = {}
+        keep: list[Any] = []
+        bodies: dict[Engine, list[Command]] = {}
+        for engine in plan.engines:
+            count = len(plan.order[engine])
+            cmds: list[Command] = []
+            for i in plan.order[engine]:
+                for dep_engine, p in plan.waits[i]:
+                    cmds.append((WAIT, plan.progress[dep_engine], run_index * len(plan.order[dep_engine]) + p))
+                if timing:
+                    cmds.append((TIMESTAMP, times[i]))
+                cmds.append(self._command(self.entries[i], subst, inputs, keep, results))
+                if timing:
+                    cmds.append((TIMESTAMP, times[i]))
+                if plan.signals[i]:
+                    cmds.append((SIGNAL, plan.progress[engine], run_index * count + plan.pos[i]))
+            bodies[engine] = cmds
+        ops = self._submit(plan, bodies, subst, keep, run_index)
+        run = GraphRun(tuple(ops), results)
+        if timing:
+            _record_when_done(run, self, plan, times)
+        return run
+
+    def _substitutions(self, buffers: dict[Buffer, Buffer]) -> dict[int, Buffer]:
+        captured = {id(b): b for e in self.entries for b in (*e.reads, *e.writes)}
+        subst: dict[int, Buffer] = {}
+        for old, new in buffers.items():
+            if id(old) not in captured:
+                raise BufferUsageError(f"{self!r}: {old!r} is not a buffer of this graph")
+            if new.device != old.device or new.nbytes != old.nbytes:
+                raise BufferUsageError(f"{self!r}: {new!r} cannot stand in for {old!r} (device and size must match)")
+            new.owner._check(new, "graph replay")
+            subst[id(old)] = new
+        return subst
+
+    def _command(
+        self, entry: _Entry, subst: dict[int, Buffer], inputs: dict[str, Any], keep: list[Any], results: dict[str, Any]
+    ) -> Command:
+        def sub(b: Buffer) -> Buffer:
+            return subst.get(id(b), b)
+
+        if entry.kind == "launch":
+            prog = entry.prog
+            assert prog is not None
+            vals = [inputs[v.name] if isinstance(v, Param) else v for v in entry.vals]
+            return (EXEC, entry.name, prog, prog.args([sub(b).handle for b in entry.bufs], vals))
+        if entry.kind == "transfer":
+            src, dst = sub(entry.reads[0]), sub(entry.writes[0])
+            return (COPY, entry.name, entry.device.copy_fn, dst.handle, src.handle, src.nbytes)
+        if entry.kind == "copyin":
+            buf = sub(entry.writes[0])
+            pin = Pinned(inputs[entry.host])
+            keep.append(pin)
+            if pin.nbytes != buf.nbytes:
+                raise BufferUsageError(f"graph input {entry.host!r} has {pin.nbytes} bytes, {buf!r} has {buf.nbytes}")
+            return (COPY, entry.name, entry.device.copy_fn, buf.handle, pin.address, buf.nbytes)
+        buf = sub(entry.reads[0])
+        dest = inputs.get(entry.host)
+        dest = bytearray(buf.nbytes) if dest is None else dest
+        pin = Pinned(dest, writable=True)
+        keep.append(pin)
+        if pin.nbytes != buf.nbytes:
+            raise BufferUsageError(f"graph output {entry.host!r} has {pin.nbytes} bytes, {buf!r} has {buf.nbytes}")
+        results[entry.host] = dest
+        return (COPY, entry.name, entry.device.copy_fn, pin.address, buf.handle, buf.nbytes)
+
+    def _submit(
+        self,
+        plan: _Plan,
+        bodies: dict[Engine, list[Command]],
+        subst: dict[int, Buffer],
+        keep: list[Any],
+        run_index: int,
+    ) -> list[Op]:
+        ops = {e: Op(f"graph#{self.id} replay {run_index} on {e.signal.name}", (), keep) for e in plan.engines}
+        deps: dict[Engine, list[Op]] = {e: [] for e in plan.engines}
+        for entry in self.entries:
+            engine = entry.engine
+            for b, write in itertools.chain(((b, False) for b in entry.reads), ((b, True) for b in entry.writes)):
+                b = subst.get(id(b), b)
+                b.log.access(b.offset, b.offset + b.nbytes, write, ops[engine], engine, deps[engine])
+        mine = set(ops.values())
+        for engine in plan.engines:
+            op = ops[engine]
+            op.deps = [d for d in deps[engine] if d not in mine]
+            cq = CommandQueue()
+            for dep_engine, value in cross_engine_waits(op.deps, engine).items():
+                cq.wait(dep_engine.signal, value)
+            cq.cmds.extend(bodies[engine])
+            engine.submit(cq, op)
+        return list(ops.values())
+
+
+def _record_when_done(run: GraphRun, graph: Graph, plan: _Plan, times: list[list[float]]) -> None:
+    left = [len(run.ops)]
+    lock = threading.Lock()
+
+    def one_done() -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        entries = tuple(GraphEntry(e.device.name, e.name, e.engine.is_copy) for e in graph.entries)
+        starts = tuple(t[0] if len(t) == 2 else 0.0 for t in times)
+        ends = tuple(t[1] if len(t) == 2 else 0.0 for t in times)
+        recorder.events.append(GraphEvent(entries, plan.deps, starts, ends))
+
+    for op in run.ops:
+        assert op.engine is not None
+        op.engine.signal.on_reach(op.value, one_done)
+
+
+class GraphRun:
+    """One replay in flight: ``await run`` gives its copy-out results by name, or raises its first failure."""
+
+    def __init__(self, ops: tuple[Op, ...], results: dict[str, Any]) -> None:
+        self.ops = ops
+        self.results = results
+
+    def done(self) -> bool:
+        """Whether every engine has finished its part of the replay."""
+        return all(op.done() for op in self.ops)
+
+    def __await__(self) -> Generator[Any, None, dict[str, Any]]:
+        return self._wait().__await__()
+
+    async def _wait(self) -> dict[str, Any]:
+        for op in self.ops:
+            assert op.engine is not None
+            await op.engine.signal.wait_async(op.value)
+        failed = [op for op in self.ops if op.error is not None]
+        if failed:
+            for op in failed:
+                op.observed = True
+            roots = [op for op in failed if not isinstance(op.error, DependencyError)]
+            error = (roots or failed)[0].error
+            assert error is not None
+            raise error
+        return self.results
