@@ -20,3 +20,13 @@ void kernel(int32_t *out, int64_t flag, int64_t max_spins) {
   out[0] = *f;
 }
 """
+
+AFFINE = r"""
+#include <stdint.h>
+void kernel(uint8_t *b, int64_t n, int64_t a, int64_t c) { for (int64_t i = 0; i < n; i++) b[i] = (uint8_t)(b[i] * a + c); }
+"""
+
+ACCUMULATE = r"""
+#include <stdint.h>
+void kernel(uint8_t *o, const uint8_t *x, int64_t n) { for (int64_t i = 0; i < n; i++) o[i] = (uint8_t)(o[i] + x[i]); }
+"""

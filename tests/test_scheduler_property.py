@@ -1,0 +1,138 @@
+"""Random op sequences through the scheduler match a sequential reference, byte for byte.
+
+``ARUNTIME_FUZZ_EXAMPLES`` raises the number of examples (default 15 per event loop).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import anyio
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from aruntime import Buffer, Device, Program, dtypes
+from aruntime.scheduler import Scheduler
+from tests.kernels import ACCUMULATE, AFFINE
+
+pytestmark = pytest.mark.anyio
+
+SIZE = 48
+DEVICES = ("CPU", "CPU:1", "CPU:2", "CPU:3")
+
+
+@dataclass(frozen=True)
+class Region:
+    buf: int
+    offset: int
+    length: int
+    nested: bool  # reached through a view of a view
+
+
+@st.composite
+def regions(draw: st.DrawFn, n_bufs: int, length: int | None = None) -> Region:
+    buf = draw(st.integers(0, n_bufs - 1))
+    n = length if length is not None else draw(st.integers(1, SIZE))
+    offset = draw(st.integers(0, SIZE - n))
+    return Region(buf, offset, n, draw(st.booleans()))
+
+
+@st.composite
+def programs(draw: st.DrawFn) -> tuple[int, list[int], list[tuple[object, ...]], int]:
+    n_dev = draw(st.integers(1, 4))
+    n_bufs = draw(st.integers(2, 8))
+    homes = draw(st.lists(st.integers(0, n_dev - 1), min_size=n_bufs, max_size=n_bufs))
+    ops: list[tuple[object, ...]] = []
+    for _ in range(draw(st.integers(1, 25))):
+        kind = draw(st.sampled_from(["copyin", "affine", "accumulate", "copyout", "transfer"]))
+        if kind == "copyin":
+            r = draw(regions(n_bufs))
+            ops.append((kind, r, draw(st.binary(min_size=r.length, max_size=r.length))))
+        elif kind == "affine":
+            ops.append((kind, draw(regions(n_bufs)), draw(st.integers(0, 255)), draw(st.integers(0, 255))))
+        elif kind == "copyout":
+            ops.append((kind, draw(regions(n_bufs))))
+        else:
+            a = draw(regions(n_bufs))
+            if kind == "accumulate":  # both regions on one device
+                same = [i for i in range(n_bufs) if homes[i] == homes[a.buf]]
+                b = draw(regions(n_bufs, a.length))
+                b = Region(draw(st.sampled_from(same)), b.offset, b.length, b.nested)
+            else:
+                b = draw(regions(n_bufs, a.length))
+            ops.append((kind, a, b))
+    return n_dev, homes, ops, draw(st.integers(1, 16))
+
+
+def view_of(roots: list[Buffer], r: Region) -> Buffer:
+    root = roots[r.buf]
+    if r.nested:  # a view of a view: offsets add up
+        outer = root.view(SIZE - r.offset, dtypes.uint8, r.offset)
+        return outer.view(r.length, dtypes.uint8, 0)
+    return root.view(r.length, dtypes.uint8, r.offset)
+
+
+EXAMPLES = int(os.environ.get("ARUNTIME_FUZZ_EXAMPLES", "15"))
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=programs())
+async def test_random_programs_match_sequential_reference(case: tuple[int, list[int], list[tuple[object, ...]], int]) -> None:
+    n_dev, homes, ops, window = case
+    devs = [Device[name] for name in DEVICES[:n_dev]]
+    affine: dict[str, Program] = {}
+    accumulate: dict[str, Program] = {}
+    for d in devs:
+        affine[d.name] = await d.compile(AFFINE)
+        accumulate[d.name] = await d.compile(ACCUMULATE, outs=(0,))
+    ref = [bytearray((i * 37 + j) % 251 for j in range(SIZE)) for i in range(len(homes))]
+    roots = [await devs[h].allocate(SIZE) for h in homes]
+    for root, init in zip(roots, ref):
+        await root.owner.copyin(root, bytes(init))
+    expected: list[bytes] = []
+    handles = []
+    with anyio.fail_after(60):
+        async with Scheduler(window=window) as sched:
+            for op in ops:
+                kind = op[0]
+                if kind == "copyin":
+                    r, data = op[1], op[2]
+                    assert isinstance(r, Region) and isinstance(data, bytes)
+                    await sched.copyin(view_of(roots, r), data)
+                    ref[r.buf][r.offset : r.offset + r.length] = data
+                elif kind == "affine":
+                    r, a, c = op[1], op[2], op[3]
+                    assert isinstance(r, Region) and isinstance(a, int) and isinstance(c, int)
+                    dev = roots[r.buf].device
+                    await sched.launch(affine[dev], view_of(roots, r), vals=(r.length, a, c))
+                    seg = ref[r.buf]
+                    for i in range(r.offset, r.offset + r.length):
+                        seg[i] = (seg[i] * a + c) & 0xFF
+                elif kind == "accumulate":
+                    o, x = op[1], op[2]
+                    assert isinstance(o, Region) and isinstance(x, Region)
+                    dev = roots[o.buf].device
+                    await sched.launch(accumulate[dev], view_of(roots, o), view_of(roots, x), vals=(o.length,))
+                    for i in range(o.length):  # the same element order as the C loop, aliasing included
+                        ref[o.buf][o.offset + i] = (ref[o.buf][o.offset + i] + ref[x.buf][x.offset + i]) & 0xFF
+                elif kind == "copyout":
+                    r = op[1]
+                    assert isinstance(r, Region)
+                    handles.append(await sched.copyout(view_of(roots, r)))
+                    expected.append(bytes(ref[r.buf][r.offset : r.offset + r.length]))
+                else:
+                    dst, src = op[1], op[2]
+                    assert isinstance(dst, Region) and isinstance(src, Region)
+                    src_view = view_of(roots, src)
+                    await sched.transfer(view_of(roots, dst), src_view)
+                    ref[dst.buf][dst.offset : dst.offset + dst.length] = bytes(
+                        ref[src.buf][src.offset : src.offset + src.length]
+                    )
+        got = [bytes(await h) for h in handles]
+        assert got == expected
+        finals = [bytes(await root.owner.copyout(root)) for root in roots]
+    assert finals == [bytes(r) for r in ref]
+    for root in roots:
+        await root.owner.free(root)
