@@ -79,7 +79,9 @@ EXAMPLES = int(os.environ.get("ARUNTIME_FUZZ_EXAMPLES", "15"))
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=programs())
-async def test_random_programs_match_sequential_reference(case: tuple[int, list[int], list[tuple[object, ...]], int]) -> None:
+async def test_random_programs_match_sequential_reference(
+    case: tuple[int, list[int], list[tuple[object, ...]], int],
+) -> None:
     n_dev, homes, ops, window = case
     devs = [Device[name] for name in DEVICES[:n_dev]]
     affine: dict[str, Program] = {}

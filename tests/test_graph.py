@@ -1,0 +1,122 @@
+"""Graph capture and replay."""
+
+from __future__ import annotations
+
+import array
+
+import pytest
+
+from aruntime import BufferUsageError, Device, dtypes
+from aruntime.events import GraphEvent, recorder
+from aruntime.graph import Graph, Param
+from aruntime.scheduler import Scheduler
+from tests.kernels import SCALE
+
+pytestmark = pytest.mark.anyio
+
+N = 512
+
+
+def floats(value: float) -> array.array[float]:
+    return array.array("f", [value] * N)
+
+
+def values(data: bytes | bytearray) -> set[float]:
+    return set(array.array("f", bytes(data)))
+
+
+async def test_replay_with_new_inputs_params_and_buffers() -> None:
+    dev = Device["CPU"]
+    prog = await dev.compile(SCALE, outs=(0,))
+    x, y = await dev.allocate(N, dtypes.float32), await dev.allocate(N, dtypes.float32)
+    graph = Graph()
+    graph.copyin(x, "x")
+    graph.launch(prog, y, x, vals=(N, Param("scale")))
+    graph.copyout(y, "y")
+    for k in range(4):
+        result = await graph.replay(x=floats(k), scale=2.0)
+        assert values(result["y"]) == {2.0 * k}
+    x2, y2 = await dev.allocate(N, dtypes.float32), await dev.allocate(N, dtypes.float32)
+    into = bytearray(N * 4)
+    result = await graph.replay({x: x2, y: y2}, x=floats(5), scale=-1.0, y=into)
+    assert result["y"] is into and values(into) == {-5.0}
+    assert values(await dev.copyout(y2)) == {-5.0}
+
+
+async def test_many_replays_in_flight_keep_their_order() -> None:
+    dev = Device["CPU:1"]
+    prog = await dev.compile(SCALE, outs=(0,))
+    x, y = await dev.allocate(N, dtypes.float32), await dev.allocate(N, dtypes.float32)
+    graph = Graph()
+    graph.copyin(x, "x")
+    graph.launch(prog, y, x, vals=(N, 1.0))
+    graph.copyout(y, "y")
+    runs = [graph.replay(x=floats(k)) for k in range(40)]  # all submitted before any is awaited
+    for k, run in enumerate(runs):
+        assert values((await run)["y"]) == {float(k)}
+
+
+async def test_graph_across_devices_with_transfer_and_scheduler() -> None:
+    a, b = Device["CPU"], Device["CPU:1"]
+    pa, pb = await a.compile(SCALE, outs=(0,)), await b.compile(SCALE, outs=(0,))
+    xa, ya = await a.allocate(N, dtypes.float32), await a.allocate(N, dtypes.float32)
+    xb, yb = await b.allocate(N, dtypes.float32), await b.allocate(N, dtypes.float32)
+    graph = Graph()
+    graph.copyin(xa, "x")
+    graph.launch(pa, ya, xa, vals=(N, 2.0))
+    graph.transfer(xb, ya)
+    graph.launch(pb, yb, xb, vals=(N, 3.0))
+    graph.copyout(yb, "y")
+    graph.copyout(ya, "mid")
+    async with Scheduler() as sched:
+        runs = [await sched.replay(graph, x=floats(k)) for k in range(10)]
+    for k, run in enumerate(runs):
+        result = await run
+        assert values(result["y"]) == {6.0 * k} and values(result["mid"]) == {2.0 * k}
+
+
+async def test_replay_errors_name_what_is_wrong() -> None:
+    dev = Device["CPU:2"]
+    prog = await dev.compile(SCALE, outs=(0,))
+    x, y = await dev.allocate(N, dtypes.float32), await dev.allocate(N, dtypes.float32)
+    graph = Graph()
+    with pytest.raises(ValueError, match="no entries"):
+        graph.replay()
+    graph.copyin(x, "x")
+    graph.launch(prog, y, x, vals=(N, Param("scale")))
+    with pytest.raises(ValueError, match="missing inputs: scale"):
+        graph.replay(x=floats(1))
+    with pytest.raises(ValueError, match="unknown inputs: z"):
+        graph.replay(x=floats(1), scale=1.0, z=1)
+    other = await dev.allocate(N, dtypes.float32)
+    with pytest.raises(BufferUsageError, match="not a buffer of this graph"):
+        graph.replay({other: x}, x=floats(1), scale=1.0)
+    small = await dev.allocate(N // 2, dtypes.float32)
+    with pytest.raises(BufferUsageError, match="cannot stand in"):
+        graph.replay({x: small}, x=floats(1), scale=1.0)
+    with pytest.raises(BufferUsageError, match="graph input 'x' has 4 bytes"):
+        graph.replay(x=b"1234", scale=1.0)
+
+
+async def test_replay_records_a_graph_event() -> None:
+    dev = Device["CPU:3"]
+    prog = await dev.compile(SCALE, outs=(0,))
+    x, y = await dev.allocate(N, dtypes.float32), await dev.allocate(N, dtypes.float32)
+    graph = Graph()
+    graph.copyin(x, "x")
+    graph.launch(prog, y, x, vals=(N, 1.0))
+    graph.copyout(y, "y")
+    recorder.enabled = True
+    try:
+        mark = len(recorder.events)
+        await graph.replay(x=floats(1))
+        await dev.synchronize()
+    finally:
+        recorder.enabled = False
+    events = [e for e in recorder.events[mark:] if isinstance(e, GraphEvent)]
+    assert len(events) == 1
+    event = events[0]
+    assert [e.name for e in event.entries] == ["copyin 2048 B", "kernel", "copyout 2048 B"]
+    assert event.deps == ((), (0,), (1,))
+    assert all(s <= e for s, e in zip(event.starts, event.ends))
+    assert event.ends[0] <= event.starts[1] and event.ends[1] <= event.starts[2]

@@ -1,0 +1,154 @@
+"""The scheduler: backpressure, failures, cancellation, sharing."""
+
+from __future__ import annotations
+
+import array
+from typing import Any
+
+import anyio
+import pytest
+
+from aruntime import DependencyError, Device, OpError, Program, dtypes
+from aruntime.scheduler import Scheduler
+from tests.kernels import ADD_ONE, GATE, SCALE
+
+pytestmark = pytest.mark.anyio
+
+SPINS = 4_000_000_000
+
+
+class _Failing(Program):
+    def __call__(self, *args: Any) -> None:
+        raise ArithmeticError("kernel blew up")
+
+
+async def _gate(dev_name: str) -> tuple[Any, Any, Program]:
+    dev = Device[dev_name]
+    prog = await dev.compile(GATE, outs=(0,))
+    flag = await dev.allocate(1, dtypes.int32)
+    await dev.copyin(flag, array.array("i", [0]))
+    return dev, flag, prog
+
+
+async def test_pipeline_results_across_two_devices() -> None:
+    devs = [Device["CPU"], Device["CPU:1"]]
+    progs = {d.name: await d.compile(SCALE, outs=(0,)) for d in devs}
+    n = 256
+    handles = []
+    async with Scheduler(window=6) as sched:
+        for i in range(24):
+            d = devs[i % 2]
+            x = await d.allocate(n, dtypes.float32)
+            y = await d.allocate(n, dtypes.float32)
+            await sched.copyin(x, array.array("f", [float(i)] * n))
+            await sched.launch(progs[d.name], y, x, vals=(n, 3.0))
+            handles.append(await sched.copyout(y))
+            assert sched.in_flight <= 6
+    for i, h in enumerate(handles):
+        assert set(array.array("f", bytes(await h))) == {3.0 * i}
+
+
+async def test_full_window_makes_enqueue_wait() -> None:
+    dev, flag, gate = await _gate("CPU:1")
+    add = await dev.compile(ADD_ONE)
+    out = await dev.allocate(1, dtypes.int32)
+    bufs = [await dev.allocate(8) for _ in range(3)]
+    for b in bufs:
+        dev.copyin(b, bytes(8))
+    admitted = anyio.Event()
+    with anyio.fail_after(10):
+        async with Scheduler(window=3) as sched, anyio.create_task_group() as tg:
+            await sched.launch(gate, out, vals=(flag.handle, SPINS))  # holds the compute queue
+            await sched.launch(add, bufs[0], vals=(8,))
+            await sched.launch(add, bufs[1], vals=(8,))
+
+            async def fourth() -> None:
+                await sched.launch(add, bufs[2], vals=(8,))
+                admitted.set()
+
+            tg.start_soon(fourth)
+            await anyio.wait_all_tasks_blocked()
+            assert not admitted.is_set() and sched.in_flight == 3
+            await dev.copyin(flag, array.array("i", [1]))  # open the gate: the window drains
+            await admitted.wait()
+    assert bytes(await dev.copyout(bufs[2])) == b"\x01" * 8
+
+
+async def test_failure_fails_dependents_spares_independents_and_raises_on_exit() -> None:
+    dev = Device["CPU"]
+    add = await dev.compile(ADD_ONE)
+    bad = _Failing(dev, "broken", b"")
+    a = await dev.allocate(4)
+    b = await dev.allocate(4)
+    await dev.copyin(b, bytes(4))
+    with pytest.raises(OpError, match="kernel blew up"):
+        async with Scheduler() as sched:
+            await sched.launch(bad, a)
+            dependent = await sched.copyout(a)
+            independent = await sched.launch(add, b, vals=(4,))
+            await independent
+            with pytest.raises(DependencyError, match="depends on broken, which failed") as info:
+                await dependent
+            assert info.value.first == "broken"
+    assert bytes(await dev.copyout(b)) == b"\x01" * 4
+    await dev.synchronize()  # the scheduler reported the failures: nothing left unobserved
+
+
+async def test_cancelled_scope_drops_unsubmitted_and_waits_for_running() -> None:
+    dev, flag, gate = await _gate("CPU:2")
+    add = await dev.compile(ADD_ONE)
+    out = await dev.allocate(1, dtypes.int32)
+    buf = await dev.allocate(16)
+    await dev.copyin(buf, bytes(16))
+    submitted: list[Any] = []
+    in_drain = anyio.Event()
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+
+            async def pipeline(task_status: Any) -> None:
+                with anyio.CancelScope() as scope:
+                    task_status.started(scope)
+                    async with Scheduler(window=2) as sched:
+                        submitted.append(await sched.launch(gate, out, vals=(flag.handle, SPINS)))
+                        submitted.append(await sched.launch(add, buf, vals=(16,)))
+                        submitted.append(await sched.launch(add, buf, vals=(16,)))  # waits: never submitted
+                in_drain.set()
+
+            scope = await tg.start(pipeline)
+            await anyio.wait_all_tasks_blocked()
+            last = dev.compute.last
+            scope.cancel()
+            await anyio.wait_all_tasks_blocked()
+            assert not in_drain.is_set(), "the scope must wait for the running kernel"
+            await dev.copyin(flag, array.array("i", [1]))
+            await in_drain.wait()
+    assert len(submitted) == 2 and all(op.done() for op in submitted)
+    assert dev.compute.last == last and buf.is_allocated()
+    assert bytes(await dev.copyout(buf)) == b"\x01" * 16
+
+
+async def test_many_tasks_share_one_scheduler() -> None:
+    dev = Device["CPU:3"]
+    prog = await dev.compile(SCALE, outs=(0,))
+    results: dict[int, set[float]] = {}
+
+    async def request(sched: Scheduler, i: int) -> None:
+        x = await dev.allocate(64, dtypes.float32)
+        y = await dev.allocate(64, dtypes.float32)
+        await sched.copyin(x, array.array("f", [float(i)] * 64))
+        await sched.launch(prog, y, x, vals=(64, 2.0))
+        results[i] = set(array.array("f", bytes(await (await sched.copyout(y)))))
+
+    async with Scheduler(window=16) as sched, anyio.create_task_group() as tg:
+        for i in range(100):
+            tg.start_soon(request, sched, i)
+    assert results == {i: {2.0 * i} for i in range(100)}
+
+
+async def test_enqueue_outside_the_context_is_an_error() -> None:
+    sched = Scheduler()
+    buf = await Device["CPU"].allocate(4)
+    with pytest.raises(RuntimeError, match="not open"):
+        await sched.copyin(buf, bytes(4))
+    with pytest.raises(ValueError, match="window must be a positive int"):
+        Scheduler(window=0)
