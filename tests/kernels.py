@@ -2,7 +2,9 @@
 
 SCALE = r"""
 #include <stdint.h>
-void kernel(float *out, const float *x, int64_t n, double s) { for (int64_t i = 0; i < n; i++) out[i] = x[i] * (float)s; }
+void kernel(float *out, const float *x, int64_t n, double s) {
+  for (int64_t i = 0; i < n; i++) out[i] = x[i] * (float)s;
+}
 """
 
 ADD_ONE = r"""
@@ -23,7 +25,9 @@ void kernel(int32_t *out, int64_t flag, int64_t max_spins) {
 
 AFFINE = r"""
 #include <stdint.h>
-void kernel(uint8_t *b, int64_t n, int64_t a, int64_t c) { for (int64_t i = 0; i < n; i++) b[i] = (uint8_t)(b[i] * a + c); }
+void kernel(uint8_t *b, int64_t n, int64_t a, int64_t c) {
+  for (int64_t i = 0; i < n; i++) b[i] = (uint8_t)(b[i] * a + c);
+}
 """
 
 ACCUMULATE = r"""

@@ -112,7 +112,7 @@ async def test_compute_and_copy_engines_overlap() -> None:
 
 
 async def test_compile_error_carries_compiler_message() -> None:
-    with pytest.raises(CompileError, match="error: .*undeclared_thing"):
+    with pytest.raises(CompileError, match=r"error: .*undeclared_thing"):
         await Device["CPU"].compile("void kernel(int *o) { o[0] = undeclared_thing; }")
 
 

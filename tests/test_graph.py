@@ -118,5 +118,5 @@ async def test_replay_records_a_graph_event() -> None:
     event = events[0]
     assert [e.name for e in event.entries] == ["copyin 2048 B", "kernel", "copyout 2048 B"]
     assert event.deps == ((), (0,), (1,))
-    assert all(s <= e for s, e in zip(event.starts, event.ends))
+    assert all(s <= e for s, e in zip(event.starts, event.ends, strict=True))
     assert event.ends[0] <= event.starts[1] and event.ends[1] <= event.starts[2]

@@ -40,7 +40,7 @@ def regions(draw: st.DrawFn, n_bufs: int, length: int | None = None) -> Region:
 
 
 @st.composite
-def programs(draw: st.DrawFn) -> tuple[int, list[int], list[tuple[object, ...]], int]:
+def programs(draw: st.DrawFn) -> tuple[int, list[int], list[tuple[object, ...]], int]:  # a Case
     n_dev = draw(st.integers(1, 4))
     n_bufs = draw(st.integers(2, 8))
     homes = draw(st.lists(st.integers(0, n_dev - 1), min_size=n_bufs, max_size=n_bufs))
@@ -64,6 +64,9 @@ def programs(draw: st.DrawFn) -> tuple[int, list[int], list[tuple[object, ...]],
                 b = draw(regions(n_bufs, a.length))
             ops.append((kind, a, b))
     return n_dev, homes, ops, draw(st.integers(1, 16))
+
+
+Case = tuple[int, list[int], list[tuple[object, ...]], int]
 
 
 def view_of(roots: list[Buffer], r: Region) -> Buffer:
@@ -91,7 +94,7 @@ async def test_random_programs_match_sequential_reference(
         accumulate[d.name] = await d.compile(ACCUMULATE, outs=(0,))
     ref = [bytearray((i * 37 + j) % 251 for j in range(SIZE)) for i in range(len(homes))]
     roots = [await devs[h].allocate(SIZE) for h in homes]
-    for root, init in zip(roots, ref):
+    for root, init in zip(roots, ref, strict=True):
         await root.owner.copyin(root, bytes(init))
     expected: list[bytes] = []
     handles = []
