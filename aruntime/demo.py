@@ -176,7 +176,6 @@ async def run_pipeline(config: DemoConfig, on_batch: Any = None) -> DemoResult:
         for dev in devices
     ]
     mismatches: list[str] = []
-    results: list[tuple[int, Any, Any]] = []
     start = time.perf_counter()
     async with Scheduler(window=n_dev * config.slots * 4) as sched, anyio.create_task_group() as tg:
         send, receive = anyio.create_memory_object_stream[tuple[int, Any, Any]](n_dev * config.slots)
