@@ -116,16 +116,7 @@ def reference_rows(batch: bytes, out: bytes | bytearray, rows: list[int], cols: 
     try:
         import numpy as np
     except ImportError:
-        got = array.array("f", bytes(out))
-        for r in rows:
-            row = batch[r * cols : (r + 1) * cols]
-            mean = sum(row) / cols
-            std = math.sqrt(max(sum(v * v for v in row) / cols - mean * mean, 0.0))
-            for c in range(0, cols, 97):
-                want = (row[c] - mean) / std if std else 0.0
-                if abs(got[r * cols + c] - want) > 1e-3:
-                    return f"row {r} col {c}: {got[r * cols + c]} != {want}"
-        return None
+        return _reference_rows_python(batch, out, rows, cols)
     x = np.frombuffer(batch, dtype=np.uint8).reshape(-1, cols).astype(np.float64)[rows]
     mean = x.mean(axis=1, keepdims=True)
     std = x.std(axis=1, keepdims=True)
@@ -135,6 +126,19 @@ def reference_rows(batch: bytes, out: bytes | bytearray, rows: list[int], cols: 
     if len(bad):
         r, c = bad[0]
         return f"row {rows[r]} col {c}: {got[r, c]} != {want[r, c]}"
+    return None
+
+
+def _reference_rows_python(batch: bytes, out: bytes | bytearray, rows: list[int], cols: int) -> str | None:
+    got = array.array("f", bytes(out))
+    for r in rows:
+        row = batch[r * cols : (r + 1) * cols]
+        mean = sum(row) / cols
+        std = math.sqrt(max(sum(v * v for v in row) / cols - mean * mean, 0.0))
+        for c in range(0, cols, 97):
+            want = (row[c] - mean) / std if std else 0.0
+            if abs(got[r * cols + c] - want) > 1e-3:
+                return f"row {r} col {c}: {got[r * cols + c]} != {want}"
     return None
 
 
