@@ -7,7 +7,7 @@ the buffers each op reads and writes.
 
 from aruntime.allocator import BufferSpec
 from aruntime.buffer import Buffer
-from aruntime.device import BaseDevice, Device, Program
+from aruntime.device import BaseDevice, Device, Program, is_dtype_supported
 from aruntime.dtype import DType, dtypes
 from aruntime.engine import Op
 from aruntime.errors import (
@@ -40,4 +40,5 @@ __all__ = [
     "Program",
     "SignalTimeout",
     "dtypes",
+    "is_dtype_supported",
 ]

@@ -48,6 +48,7 @@ class Buffer:
         self.spec = spec or DEFAULT_SPEC
         self._handle: Any = None
         self._freed = False
+        self._generation = 0  # a root counts its allocations; a view records the one its handle came from
         if base is None:
             if offset != 0:
                 raise BufferUsageError("a base buffer has no offset; pass base= to make a view")
@@ -94,16 +95,21 @@ class Buffer:
 
     @property
     def handle(self) -> Any:
-        """The backend's handle of this buffer's memory; an error if not allocated."""
+        """The backend's handle of this buffer's memory; an error if not allocated.
+
+        A view of an allocated root gets its handle on first use.
+        """
         if not self.is_allocated():
+            if self._base is not None and self._base.is_allocated():
+                return self.allocate()._handle
             state = "was freed" if self.base._freed else "is not allocated"
             raise BufferUsageError(f"{self!r} {state}")
         return self._handle
 
     def is_allocated(self) -> bool:
         """Whether the memory exists now (for a view: whether its root's does)."""
-        if self._base is not None and not self._base.is_allocated():
-            return False
+        if self._base is not None and (not self._base.is_allocated() or self._generation != self._base._generation):
+            return False  # a handle derived from an earlier allocation of the root is stale
         return self._handle is not None
 
     def ensure_allocated(self) -> Buffer:
@@ -121,11 +127,15 @@ class Buffer:
             if offset is None:
                 raise BufferUsageError(f"{self.device} does not support buffer views")
             self._handle = offset(self._base._handle, self.nbytes, self.offset)
+            self._generation = self._base._generation
             return self
+        spec = self.spec
         if external_ptr is not None:
-            self.spec = BufferSpec(**{**self.spec.__dict__, "external_ptr": external_ptr})
-        self._handle = allocator.alloc(self.nbytes, self.spec)
+            spec = BufferSpec(**{**spec.__dict__, "external_ptr": external_ptr})
+        self._handle = allocator.alloc(self.nbytes, spec)
+        self.spec = spec
         self._freed = False
+        self._generation += 1
         if self.spec.external_ptr is None and not self.owner.file_backed:
             with _counter_lock:
                 allocator.in_use += self.nbytes
@@ -215,7 +225,8 @@ class Buffer:
 
     def __reduce__(self) -> tuple[Any, ...]:
         if self._base is not None:
-            return (Buffer, (self.device, self.size, self.dtype, None, None, self._base, self.offset))
+            args = (self.device, self.size, self.dtype, None, None, self._base, self.offset, self.is_allocated())
+            return (Buffer, args)
         contents = bytes(self.as_buffer()) if self.is_allocated() else None
         spec = BufferSpec(**{**self.spec.__dict__, "external_ptr": None})
         return (Buffer, (self.device, self.size, self.dtype, spec, contents))

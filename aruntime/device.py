@@ -125,16 +125,18 @@ class BaseDevice:
             buf.log.access(buf.offset, buf.offset + buf.nbytes, False, op, engine, deps)
         for buf in writes:
             buf.log.access(buf.offset, buf.offset + buf.nbytes, True, op, engine, deps)
+        if not deps:
+            return engine.push(body, op)
         op.deps = deps
-        cq = CommandQueue()
         waits = cross_engine_waits(deps, engine)
         if waits:
+            cq = CommandQueue()
             for dep_engine, value in waits.items():
                 cq.wait(dep_engine.signal, value)
             if recorder.enabled:
                 recorder.events.extend(DependencyEvent(d.id, op.id) for d in deps if d.engine is not engine)
-        cq.cmds.extend(body)
-        return engine.submit(cq, op)
+            body = cq.cmds + body
+        return engine.push(body, op)
 
     def copyin(self, buf: Buffer, data: Any) -> Op:
         """Copy ``data`` (any C-contiguous buffer-protocol object of ``buf.nbytes`` bytes) into ``buf``.
@@ -200,9 +202,12 @@ class BaseDevice:
         if not isinstance(prog, Program) or prog.device is not self:
             raise DeviceError(f"launch: {prog!r} is not a program of {self.name}")
         for i, buf in enumerate(bufs):
-            self._check(buf, f"launch {prog.name} argument {i}")
+            if not isinstance(buf, Buffer) or buf.device != self.name or not buf.is_allocated():
+                self._check(buf, f"launch {prog.name} argument {i}")  # raises the error that fits
         written = outs if outs is not None else prog.outs
-        out_idx = set(range(len(bufs))) if written is None else set(written)
+        if written is None:  # all written
+            return (), tuple(bufs)
+        out_idx = set(written)
         if any(not 0 <= i < len(bufs) for i in out_idx):
             raise ValueError(f"launch {prog.name}: outs {sorted(out_idx)} out of range for {len(bufs)} buffers")
         reads = tuple(b for i, b in enumerate(bufs) if i not in out_idx)
@@ -226,7 +231,7 @@ class BaseDevice:
                 raise TypeError(f"launch {prog.name}: scalar {i} must be int or float, got {type(val).__name__}")
         args = prog.args([b.handle for b in bufs], vals)
         body: list[Command] = [(EXEC, prog.name, prog, args)]
-        return self._submit(self.compute, prog.name, body, reads, writes, (prog, bufs))
+        return self._submit(self.compute, prog.name, body, reads, writes, bufs)  # body holds prog
 
     # ---- completion ---------------------------------------------------------------------------------
 

@@ -85,13 +85,14 @@ class Pinned:
 
 
 def canonicalize(name: str) -> str:
-    """The canonical device name: the kind upper-cased, the rest kept, a final ":0" dropped.
+    """The canonical device name: a final ":0" dropped, the kind upper-cased, the rest kept.
 
-    ``"cpu:0" -> "CPU"``, ``"cpu:10" -> "CPU:10"``, ``"disk:/tmp/A" -> "DISK:/tmp/A"``.
+    ``"cpu:0" -> "CPU"``, ``"cpu:10" -> "CPU:10"``, ``"disk:/tmp/A" -> "DISK:/tmp/A"``,
+    ``"disk:/tmp/x:0" -> "DISK:/tmp/x"``.
     """
     if not isinstance(name, str) or not name or name.startswith(":"):
         raise DeviceError(f"invalid device name {name!r}: expected KIND or KIND:ARG")
+    if name.endswith(":0"):
+        name = name[:-2]
     kind, sep, rest = name.partition(":")
-    if sep and rest == "0":
-        return kind.upper()
     return kind.upper() + sep + rest

@@ -1,0 +1,182 @@
+"""The DISK device (``DISK:/path/to/file``): buffers are memory-mapped bytes of one file.
+
+A buffer of ``n`` bytes on ``DISK:/f`` *is* the first ``n`` bytes of ``/f``: allocating it
+maps that region of the file (growing the file with ``ftruncate`` when it is shorter, never
+shrinking it), and whatever the file held is the buffer's contents. Views reach the rest of the
+file at byte offsets, so ``Buffer("DISK:/f", size).view(n, dtype, offset)`` reads a tensor stored
+at ``offset``. Two root buffers on the same file therefore share bytes, just as two opens of the
+file would.
+
+A handle is the host address of the mapping, so :data:`ctypes.memmove` copies between DISK and
+any host-memory device (CPU) in both directions. The device is file-backed: it may be opened in
+any process, and its bytes are not counted in the allocator's ``in_use``. It runs no kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from aruntime.allocator import Allocator, BufferSpec, host_view
+from aruntime.buffer import Buffer
+from aruntime.device import BaseDevice, Program
+from aruntime.dtype import DType
+from aruntime.engine import Op
+from aruntime.errors import AllocationError, DeviceError
+
+
+def _address(mapping: mmap.mmap) -> int:
+    """The host address of ``mapping``'s first byte (the temporary buffer export is released again)."""
+    anchor = ctypes.c_char.from_buffer(mapping)
+    try:
+        return ctypes.addressof(anchor)
+    finally:
+        del anchor
+
+
+class DiskAllocator(Allocator[int]):
+    """Maps regions of the device's file; a handle is the mapping's host address.
+
+    Not an LRU allocator: freeing closes the mapping at once (a mapping still exported through a
+    zero-copy :meth:`_as_buffer` view is unmapped when the last such view is released). The file is
+    opened, read-write and created if missing, on the first allocation.
+    """
+
+    def __init__(self, device: str) -> None:
+        super().__init__(device)
+        self.path = device.partition(":")[2]
+        self._fd: int | None = None
+        self._maps: dict[int, mmap.mmap] = {}
+        self._lock = threading.Lock()
+
+    def _open(self) -> int:
+        if self._fd is None:
+            flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+            try:
+                self._fd = os.open(self.path, flags, 0o666)
+            except OSError as exc:
+                raise DeviceError(
+                    f"{self.device}: cannot open {self.path!r} for reading and writing: {exc.strerror or exc}"
+                ) from exc
+        return self._fd
+
+    def _alloc(self, size: int, spec: BufferSpec) -> int:
+        if spec.external_ptr is not None:
+            raise DeviceError(f"{self.device}: DISK buffers are bytes of the file; external_ptr is not supported")
+        with self._lock:
+            fd = self._open()
+            try:
+                if os.fstat(fd).st_size < size:
+                    os.ftruncate(fd, size)
+            except (OSError, OverflowError) as exc:
+                reason = getattr(exc, "strerror", None) or exc
+                raise AllocationError(f"{self.device}: cannot grow {self.path!r} to {size} bytes: {reason}") from exc
+            try:
+                mapping = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)
+            except (OSError, OverflowError, ValueError) as exc:
+                reason = getattr(exc, "strerror", None) or exc
+                raise AllocationError(f"{self.device}: cannot map {size} bytes of {self.path!r}: {reason}") from exc
+            address = _address(mapping)
+            self._maps[address] = mapping
+            return address
+
+    def _free(self, handle: int, size: int, spec: BufferSpec) -> None:
+        with self._lock:
+            mapping = self._maps.pop(handle, None)
+        if mapping is None:
+            raise DeviceError(f"{self.device}: {handle:#x} is not a live mapping of {self.path!r}")
+        with contextlib.suppress(BufferError):  # zero-copy views still use it: closed when the last one goes
+            mapping.close()
+
+    def _mapping_at(self, address: int, size: int) -> tuple[mmap.mmap, int] | None:
+        with self._lock:
+            for start, mapping in self._maps.items():
+                if start <= address and address + size <= start + len(mapping):
+                    return mapping, address - start
+        return None
+
+    def _copyin(self, dest: int, src: memoryview) -> None:
+        host_view(dest, src.nbytes)[:] = src.cast("B")
+
+    def _copyout(self, dest: memoryview, src: int) -> None:
+        dest.cast("B")[:] = host_view(src, dest.nbytes)
+
+    def _as_buffer(self, handle: int, size: int) -> memoryview:
+        """A zero-copy view of the file's bytes; it keeps the mapping alive while it exists."""
+        found = self._mapping_at(handle, size)
+        if found is None:
+            raise DeviceError(f"{self.device}: {size} bytes at {handle:#x} are not inside a live mapping")
+        mapping, start = found
+        return memoryview(mapping)[start : start + size]
+
+    def _offset(self, handle: int, size: int, offset: int) -> int:
+        return handle + offset
+
+    def _transfer(self, dest: int, src: int, size: int, **_: Any) -> None:
+        ctypes.memmove(dest, src, size)
+
+    def flush(self) -> None:
+        """Write every live mapping back to the file (``msync``)."""
+        with self._lock:
+            mappings = list(self._maps.values())
+        for mapping in mappings:
+            mapping.flush()
+
+    def close(self) -> None:
+        """Close the file descriptor; live mappings stay valid, and the next allocation reopens it."""
+        with self._lock:
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+class DiskDevice(BaseDevice):
+    """A file as a device: memory-mapped storage with copy and transfer, and no kernels."""
+
+    kind = "DISK"
+    file_backed = True
+    allocator_type = DiskAllocator
+    compiler_type = None
+    copy_fn = staticmethod(ctypes.memmove)
+    allocator: DiskAllocator
+
+    def __init__(self, name: str) -> None:
+        kind, _, path = name.partition(":")
+        if not path:
+            raise DeviceError(f"{name}: a {kind} device needs a file path, e.g. {kind}:/path/to/file")
+        self.path = path
+        super().__init__(name)
+
+    def is_dtype_supported(self, dtype: DType) -> bool:
+        """A file stores any dtype that has a size."""
+        return dtype.itemsize > 0
+
+    async def compile(self, src: str, name: str = "kernel", outs: Sequence[int] | None = None) -> Program:
+        """Always a :class:`DeviceError`: a DISK device has no compiler."""
+        raise DeviceError(f"{self.name} stores data and has no compiler; compile for a compute device such as CPU")
+
+    def launch(
+        self,
+        prog: Program,
+        *bufs: Buffer,
+        vals: Sequence[int | float] = (),
+        outs: Sequence[int] | None = None,
+    ) -> Op:
+        """Always a :class:`DeviceError`: a DISK device runs no kernels."""
+        raise DeviceError(
+            f"{self.name} stores data and runs no kernels; transfer the data to a compute device such as CPU"
+        )
+
+    def close(self) -> None:
+        """Stop the engines, flush the mappings and close the file."""
+        super().close()
+        self.allocator.flush()
+        self.allocator.close()
+
+
+device_class = DiskDevice
