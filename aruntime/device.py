@@ -66,12 +66,23 @@ class BaseDevice:
         self.name = name
         self.allocator = self.allocator_type(name)
         self.compiler = None if self.compiler_type is None else self.compiler_type()
-        self.timeout = float(getenv("WAIT_TIMEOUT", 30.0))
-        self.compute: Engine = self._make_engine("compute")
-        self.copy: Engine = self._make_engine("copy")
+        timeout = float(getenv("WAIT_TIMEOUT", 30.0))
+        self.compute: Engine = self._make_engine("compute", timeout)
+        self.copy: Engine = self._make_engine("copy", timeout)
 
-    def _make_engine(self, kind: str) -> Engine:
-        return ThreadEngine(self.name, kind, self.timeout, chunk=getenv("COPY_CHUNK", 8 << 20))
+    def _make_engine(self, kind: str, timeout: float) -> Engine:
+        return ThreadEngine(self.name, kind, timeout, chunk=getenv("COPY_CHUNK", 8 << 20))
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a wait on this device's queues may take before it fails (env ``WAIT_TIMEOUT``, default 30)."""
+        return self.compute.signal.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        if not isinstance(seconds, (int, float)) or not seconds > 0:
+            raise ValueError(f"{self.name}: timeout must be a positive number of seconds, got {seconds!r}")
+        self.compute.signal.timeout = self.copy.signal.timeout = float(seconds)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"

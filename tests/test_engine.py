@@ -275,3 +275,27 @@ async def test_null_device_completes_ops() -> None:
     assert all(op.done() for op in ops)
     await dev.synchronize()
     await dev.free(buf)
+
+
+async def test_cross_queue_wait_times_out_naming_device_queue_and_values() -> None:
+    dev = Device["CPU:3"]
+    gate = await dev.compile(GATE, outs=(0,))
+    flag = await dev.allocate(1, dtypes.int32)
+    out = await dev.allocate(1, dtypes.int32)
+    await dev.copyin(flag, array.array("i", [0]))
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        dev.timeout = 0
+    dev.timeout = 0.2
+    try:
+        with anyio.fail_after(10):
+            kernel = dev.launch(gate, out, vals=(flag.handle, SPINS))
+            reader = dev.copyout(out)  # waits on the compute queue, which is stuck behind the gate
+            await dev.copy.signal.wait_async(reader.value, timeout=5)  # the copy engine gives up after 0.2 s
+            with pytest.raises(OpError, match=r"CPU:3 compute queue: wait for value >= \d+ did not pass within 0.2 s"):
+                await reader
+            await dev.copyin(flag, array.array("i", [1]))
+            await kernel
+    finally:
+        dev.timeout = 30
+    assert isinstance(reader.error, OpError) and isinstance(reader.error.__cause__, SignalTimeout)
+    assert array.array("i", bytes(await dev.copyout(out)))[0] == 1
