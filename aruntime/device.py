@@ -348,12 +348,13 @@ class _Registry:
         return iter(tuple(self._opened.values()))
 
     def available(self) -> list[str]:
-        """Kinds that open on this machine, in default-priority order first."""
+        """Kinds that open on this machine (file-backed ones need only load), default priority first."""
         kinds = sorted(self.kinds(), key=lambda k: (PRIORITY.index(k) if k in PRIORITY else len(PRIORITY), k))
         ok = []
         for kind in kinds:
             try:
-                self[kind] if not self.backend(kind).file_backed else None
+                if not self.backend(kind).file_backed:
+                    self[kind]
             except Exception:
                 continue
             ok.append(kind)
