@@ -21,6 +21,9 @@ from aruntime.errors import (
     OpError,
     SignalTimeout,
 )
+from aruntime.profile import Profile, host_range, install_atexit, profile
+
+install_atexit()  # PROFILE=1: record everything and write the trace at exit
 
 __all__ = [
     "AllocationError",
@@ -37,8 +40,11 @@ __all__ = [
     "DeviceError",
     "Op",
     "OpError",
+    "Profile",
     "Program",
     "SignalTimeout",
     "dtypes",
+    "host_range",
     "is_dtype_supported",
+    "profile",
 ]

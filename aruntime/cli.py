@@ -15,6 +15,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from aruntime.demo import add_arguments
 
     add_arguments(sub.add_parser("demo", help="stream a dataset from disk through every CPU device, verified"))
+    from aruntime.profile.cli import register as register_profile
+
+    register_profile(sub)
     args = parser.parse_args(argv)
     if args.command == "check":
         from aruntime.check import run_check
@@ -24,6 +27,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from aruntime.demo import run_demo
 
         return run_demo(args)
+    if args.command == "profile":
+        return int(args.handler(args))
     parser.error(f"unknown command {args.command}")  # pragma: no cover - argparse rejects it first
 
 

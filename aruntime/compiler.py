@@ -87,8 +87,7 @@ class Compiler:
         result, or raises :class:`~aruntime.errors.CacheError` under
         ``ASSERT_COMPILE=1``. A failed compile stores nothing.
         """
-        table = self._cachekey
-        if table is None or getenv("DISABLE_COMPILER_CACHE", 0):
+        if getenv("DISABLE_COMPILER_CACHE", 0) or (table := self.cachekey) is None:
             return self.compile(src)
         key = hashlib.sha256(src.encode("utf-8", "surrogatepass")).hexdigest()
         hit = cache_get(table, key)

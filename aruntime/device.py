@@ -269,8 +269,14 @@ class BaseDevice:
         self._raise_failures()
 
     def finalize_profile(self) -> DeviceEvent:
-        """Called when profiling finishes: this device's clock offsets against the host clock."""
-        return DeviceEvent(self.name, 0.0, 0.0)
+        """Called when profiling finishes: this device's clock offsets against the host clock.
+
+        Each engine's offset is the median of several paired host/engine
+        timestamps (see :mod:`aruntime.profile.align`); call it while the device is idle.
+        """
+        from aruntime.profile.align import engine_offset
+
+        return DeviceEvent(self.name, engine_offset(self.compute), engine_offset(self.copy))
 
     def close(self) -> None:
         """Stop the engines once their work is done."""

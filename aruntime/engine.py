@@ -21,7 +21,7 @@ from aruntime.errors import DependencyError, OpError
 from aruntime.events import RangeEvent, now_us, op_ids, recorder
 from aruntime.signal import TimelineSignal
 
-WAIT, SIGNAL, TIMESTAMP, EXEC, COPY = range(5)
+WAIT, SIGNAL, TIMESTAMP, EXEC, COPY = range(5)  # the engine relies on this order: control commands first
 Command = tuple[Any, ...]
 CopyFn = Callable[[int, int, int], object]
 
@@ -68,7 +68,7 @@ class Op:
     awaiting task stops only the waiting: the op still runs.
     """
 
-    __slots__ = ("deps", "engine", "error", "id", "keep", "name", "observed", "result", "value")
+    __slots__ = ("cmds", "deps", "engine", "error", "id", "keep", "name", "observed", "result", "value")
 
     def __init__(self, name: str, deps: Sequence[Op] = (), keep: Any = None, result: Any = None) -> None:
         self.name = name
@@ -78,6 +78,7 @@ class Op:
         self.error: BaseException | None = None
         self.observed = False
         self.engine: Engine | None = None
+        self.cmds: list[Command] | None = None  # held from submission until the op has run
         self.value = 0
         self.id = next(op_ids)
 
@@ -97,12 +98,9 @@ class Op:
         return self.result
 
     def __await__(self) -> Generator[Any, None, Any]:
-        return self._wait_async().__await__()
-
-    async def _wait_async(self) -> Any:
-        engine = self._submitted()
-        if engine.signal.value < self.value:
-            await engine.signal.wait_async(self.value)
+        signal = self._submitted().signal
+        if signal.value < self.value:
+            yield from signal.wait_async(self.value).__await__()
         return self._outcome()
 
     def wait(self, timeout: float | None = None) -> Any:
@@ -141,10 +139,15 @@ class Engine:
 
     def submit(self, cq: CommandQueue, op: Op) -> Op:
         """Hand ``cq`` to the engine; ``op`` completes when it has run. Never blocks."""
+        return self.push(cq.cmds, op)
+
+    def push(self, cmds: list[Command], op: Op) -> Op:
+        """:meth:`submit` for a plain list of commands, which the engine then owns."""
         with self._lock:
             self.last = op.value = self.last + 1
             op.engine = self
-            self._enqueue(cq.cmds, op)
+            op.cmds = cmds
+            self._enqueue(cmds, op)
         return op
 
     def _enqueue(self, cmds: list[Command], op: Op) -> None:
@@ -158,7 +161,7 @@ class Engine:
                 error = wrapped
             op.error = error
             self.failed.append(op)
-        op.keep = None
+        op.keep = op.cmds = None
         op.deps = ()
         self.signal.set(op.value)
 
@@ -189,12 +192,12 @@ class ThreadEngine(Engine):
     def __init__(self, device: str, kind: str, timeout: float, chunk: int = 8 << 20) -> None:
         super().__init__(device, kind, timeout)
         self.chunk = chunk
-        self._queue: queue.SimpleQueue[tuple[list[Command], Op] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Op | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=self.signal.name, daemon=True)
         self._thread.start()
 
     def _enqueue(self, cmds: list[Command], op: Op) -> None:
-        self._queue.put((cmds, op))
+        self._queue.put(op)
 
     def close(self) -> None:
         self._queue.put(None)
@@ -203,32 +206,34 @@ class ThreadEngine(Engine):
 
     def _run(self) -> None:
         get = self._queue.get
-        while (item := get()) is not None:
-            cmds, op = item
+        execute = self._execute
+        complete = self._complete
+        while (op := get()) is not None:
             try:
-                self._execute(cmds, op)
+                execute(op)
             except BaseException as exc:  # the op's awaiter (or synchronize) receives it
-                self._complete(op, exc)
+                complete(op, exc)
             else:
-                self._complete(op, None)
+                complete(op, None)
 
-    def _execute(self, cmds: list[Command], op: Op) -> None:
-        checked = False
-        for cmd in cmds:
+    def _execute(self, op: Op) -> None:
+        assert op.cmds is not None
+        checked = not op.deps
+        for cmd in op.cmds:
             kind = cmd[0]
-            if kind == WAIT:
-                cmd[1].wait(cmd[2])
-                continue
-            if kind == SIGNAL:
-                cmd[1].set(cmd[2])
-                continue
-            if kind == TIMESTAMP:
-                cmd[1].append(now_us())
+            if kind < EXEC:
+                if kind == WAIT:
+                    cmd[1].wait(cmd[2])
+                elif kind == SIGNAL:
+                    cmd[1].set(cmd[2])
+                else:
+                    cmd[1].append(now_us())
                 continue
             if not checked:
                 _check_deps(op)
                 checked = True
-            start = now_us()
+            recording = recorder.enabled
+            start = now_us() if recording else 0.0
             if kind == EXEC:
                 cmd[2](*cmd[3])
             else:
@@ -236,7 +241,7 @@ class ThreadEngine(Engine):
                 step = self.chunk
                 for off in range(0, nbytes, step):
                     fn(dst + off, src + off, min(step, nbytes - off))
-            if recorder.enabled:
+            if recording:
                 recorder.events.append(RangeEvent(self.device, cmd[1], start, now_us(), self.is_copy, op.id))
 
 

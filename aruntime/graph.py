@@ -3,7 +3,10 @@
 A replay hands each engine one prepared command queue holding all of that
 engine's entries. Inside a replay, an entry that depends on an entry of
 another engine waits on the graph's own per-engine progress signal, and only
-where such a hazard crosses engines; entries on one engine stay in order.
+where such a hazard crosses engines. Each engine runs its entries by depth in
+the dependency graph (capture order among equal depths), so work that depends
+on nothing pending is not held up behind a wait for another engine; entries
+that conflict keep their captured order.
 """
 
 from __future__ import annotations
@@ -44,17 +47,26 @@ class _Entry:
     prog: Program | None = None
     bufs: tuple[Buffer, ...] = ()
     vals: tuple[int | float | Param, ...] = ()
+    command: tuple[tuple[Any, ...], Command] | None = None  # a launch's last (handles, scalars, their types), command
+
+
+@dataclass
+class _Step:
+    index: int
+    entry: _Entry
+    waits: list[tuple[TimelineSignal, int, int]]  # (progress signal, entries on its engine, position to wait for)
+    signal: int  # position to signal on this engine's progress signal once done, or 0 (nobody waits for it)
 
 
 @dataclass
 class _Plan:
     engines: list[Engine]
-    order: dict[Engine, list[int]]
-    pos: list[int]
-    waits: list[list[tuple[Engine, int]]]
-    signals: list[bool]
-    deps: tuple[tuple[int, ...], ...]
+    deps: tuple[tuple[int, ...], ...]  # each entry's direct dependencies (indices of earlier entries)
     progress: dict[Engine, TimelineSignal]
+    needed: frozenset[str]  # the copy-in sources and Params every replay must name
+    outputs: frozenset[str]  # the copy-out destinations a replay may name
+    steps: dict[Engine, list[_Step]]  # what each engine's command queue is made of, in order
+    accesses: list[tuple[Engine, Buffer, bool]]  # (engine, buffer, writes) of every entry, for hazard tracking
 
 
 def _overlaps(a: Buffer, b: Buffer) -> bool:
@@ -124,14 +136,8 @@ class Graph:
         entries = self.entries
         if not entries:
             raise ValueError(f"{self!r} has no entries to replay")
-        order: dict[Engine, list[int]] = {}
-        pos: list[int] = []
-        for i, entry in enumerate(entries):
-            order.setdefault(entry.engine, []).append(i)
-            pos.append(len(order[entry.engine]))
         deps: list[tuple[int, ...]] = []
-        waits: list[list[tuple[Engine, int]]] = []
-        signals = [False] * len(entries)
+        depth: list[int] = []
         for i, entry in enumerate(entries):
             mine = []
             for j in range(i):
@@ -145,15 +151,46 @@ class Graph:
                 ):
                     mine.append(j)
             deps.append(tuple(mine))
+            depth.append(1 + max((depth[j] for j in mine), default=-1))
+        # every conflicting pair is an edge, so this order keeps each conflict's captured order
+        order: dict[Engine, list[int]] = {}
+        for i in sorted(range(len(entries)), key=lambda i: (depth[i], i)):
+            order.setdefault(entries[i].engine, []).append(i)
+        pos = [0] * len(entries)
+        for indices in order.values():
+            for p, i in enumerate(indices, 1):
+                pos[i] = p
+        waits: list[list[tuple[Engine, int]]] = []
+        signals = [False] * len(entries)
+        for i, entry in enumerate(entries):
             latest: dict[Engine, int] = {}
-            for j in mine:
+            for j in deps[i]:
                 engine = entries[j].engine
                 if engine is not entry.engine:
                     latest[engine] = max(latest.get(engine, 0), pos[j])
                     signals[j] = True
             waits.append(list(latest.items()))
         progress = {e: TimelineSignal(f"graph#{self.id} {e.signal.name} progress", e.signal.timeout) for e in order}
-        return _Plan(list(order), order, pos, waits, signals, tuple(deps), progress)
+        needed = {e.host for e in entries if e.kind == "copyin"} | {
+            v.name for e in entries for v in e.vals if isinstance(v, Param)
+        }
+        outputs = frozenset(e.host for e in entries if e.kind == "copyout")
+        steps = {
+            engine: [
+                _Step(
+                    i,
+                    entries[i],
+                    [(progress[e], len(order[e]), p) for e, p in waits[i]],
+                    pos[i] if signals[i] else 0,
+                )
+                for i in indices
+            ]
+            for engine, indices in order.items()
+        }
+        accesses = [
+            (e.engine, b, write) for e in entries for bufs, write in ((e.reads, False), (e.writes, True)) for b in bufs
+        ]
+        return _Plan(list(order), tuple(deps), progress, frozenset(needed), outputs, steps, accesses)
 
     def replay(self, buffers: dict[Buffer, Buffer] | None = None, **inputs: Any) -> GraphRun:
         """Submit the whole graph once; returns a :class:`GraphRun` to await.
@@ -166,33 +203,32 @@ class Graph:
             plan = self._plan = self._plan or self._build()
             run_index = self._runs
             self._runs += 1
-        subst = self._substitutions(buffers or {})
-        needed = {e.host for e in self.entries if e.kind == "copyin"}
-        needed |= {v.name for e in self.entries for v in e.vals if isinstance(v, Param)}
-        missing = needed - inputs.keys()
+        subst = self._substitutions(buffers) if buffers else {}
+        missing = plan.needed - inputs.keys()
         if missing:
             raise ValueError(f"{self!r} replay is missing inputs: {', '.join(sorted(missing))}")
-        unknown = inputs.keys() - needed - {e.host for e in self.entries if e.kind == "copyout"}
+        unknown = inputs.keys() - plan.needed - plan.outputs
         if unknown:
             raise ValueError(f"{self!r} replay got unknown inputs: {', '.join(sorted(unknown))}")
         timing = recorder.enabled
-        times: list[list[float]] = [[] for _ in self.entries]
+        times: list[list[float]] = [[] for _ in self.entries] if timing else []
         results: dict[str, Any] = {}
         keep: list[Any] = []
         bodies: dict[Engine, list[Command]] = {}
-        for engine in plan.engines:
-            count = len(plan.order[engine])
+        for engine, steps in plan.steps.items():
+            base = run_index * len(steps)
+            progress = plan.progress[engine]
             cmds: list[Command] = []
-            for i in plan.order[engine]:
-                for dep_engine, p in plan.waits[i]:
-                    cmds.append((WAIT, plan.progress[dep_engine], run_index * len(plan.order[dep_engine]) + p))
+            for step in steps:
+                for signal, count, p in step.waits:
+                    cmds.append((WAIT, signal, run_index * count + p))
                 if timing:
-                    cmds.append((TIMESTAMP, times[i]))
-                cmds.append(self._command(self.entries[i], subst, inputs, keep, results))
+                    cmds.append((TIMESTAMP, times[step.index]))
+                cmds.append(self._command(step.entry, subst, inputs, keep, results))
                 if timing:
-                    cmds.append((TIMESTAMP, times[i]))
-                if plan.signals[i]:
-                    cmds.append((SIGNAL, plan.progress[engine], run_index * count + plan.pos[i]))
+                    cmds.append((TIMESTAMP, times[step.index]))
+                if step.signal:
+                    cmds.append((SIGNAL, progress, base + step.signal))
             bodies[engine] = cmds
         ops = self._submit(plan, bodies, subst, keep, run_index)
         run = GraphRun(tuple(ops), results)
@@ -215,25 +251,34 @@ class Graph:
     def _command(
         self, entry: _Entry, subst: dict[int, Buffer], inputs: dict[str, Any], keep: list[Any], results: dict[str, Any]
     ) -> Command:
-        def sub(b: Buffer) -> Buffer:
-            return subst.get(id(b), b)
-
+        reads, writes = entry.reads, entry.writes
+        if subst:
+            reads = tuple(subst.get(id(b), b) for b in reads)
+            writes = tuple(subst.get(id(b), b) for b in writes)
         if entry.kind == "launch":
             prog = entry.prog
             assert prog is not None
+            bufs = entry.bufs if not subst else [subst.get(id(b), b) for b in entry.bufs]
+            handles = tuple(b.handle for b in bufs)
             vals = [inputs[v.name] if isinstance(v, Param) else v for v in entry.vals]
-            return (EXEC, entry.name, prog, prog.args([sub(b).handle for b in entry.bufs], vals))
+            key = (*handles, *vals, *map(type, vals))  # 2 and 2.0 are equal but make different C arguments
+            cached = entry.command
+            if cached is not None and cached[0] == key:
+                return cached[1]
+            command: Command = (EXEC, entry.name, prog, prog.args(handles, vals))
+            entry.command = (key, command)  # replays mostly repeat the buffers and scalars: reuse the arguments
+            return command
         if entry.kind == "transfer":
-            src, dst = sub(entry.reads[0]), sub(entry.writes[0])
+            src, dst = reads[0], writes[0]
             return (COPY, entry.name, entry.device.copy_fn, dst.handle, src.handle, src.nbytes)
         if entry.kind == "copyin":
-            buf = sub(entry.writes[0])
+            buf = writes[0]
             pin = Pinned(inputs[entry.host])
             keep.append(pin)
             if pin.nbytes != buf.nbytes:
                 raise BufferUsageError(f"graph input {entry.host!r} has {pin.nbytes} bytes, {buf!r} has {buf.nbytes}")
             return (COPY, entry.name, entry.device.copy_fn, buf.handle, pin.address, buf.nbytes)
-        buf = sub(entry.reads[0])
+        buf = reads[0]
         dest = inputs.get(entry.host)
         dest = bytearray(buf.nbytes) if dest is None else dest
         pin = Pinned(dest, writable=True)
@@ -253,11 +298,10 @@ class Graph:
     ) -> list[Op]:
         ops = {e: Op(f"graph#{self.id} replay {run_index} on {e.signal.name}", (), keep) for e in plan.engines}
         deps: dict[Engine, list[Op]] = {e: [] for e in plan.engines}
-        for entry in self.entries:
-            engine = entry.engine
-            for b, write in itertools.chain(((b, False) for b in entry.reads), ((b, True) for b in entry.writes)):
+        for engine, b, write in plan.accesses:
+            if subst:
                 b = subst.get(id(b), b)
-                b.log.access(b.offset, b.offset + b.nbytes, write, ops[engine], engine, deps[engine])
+            b.log.access(b.offset, b.offset + b.nbytes, write, ops[engine], engine, deps[engine])
         mine = set(ops.values())
         for engine in plan.engines:
             op = ops[engine]

@@ -20,7 +20,7 @@ import anyio
 
 from aruntime.buffer import Buffer
 from aruntime.device import Program
-from aruntime.engine import Op
+from aruntime.engine import Engine, Op
 from aruntime.errors import DependencyError
 
 if TYPE_CHECKING:
@@ -44,6 +44,7 @@ class Scheduler:
         self.window = window
         self.drain_timeout = drain_timeout
         self._inflight: deque[Op] = deque()
+        self._queued: deque[anyio.Event] = deque()  # tasks waiting for room in the window, first come first served
         self._failed: list[Op] = []
         self._open = False
 
@@ -81,10 +82,16 @@ class Scheduler:
                 self._failed.append(op)
 
     async def _wait_all(self) -> None:
-        while self._inflight:
-            for op in tuple(self._inflight):
-                assert op.engine is not None
-                await op.engine.signal.wait_async(op.value)
+        inflight = self._inflight
+        while inflight:
+            last: dict[Engine, int] = {}  # an engine runs its ops in order: waiting for its latest covers the rest
+            for op in inflight:
+                engine = op.engine
+                assert engine is not None
+                if op.value > last.get(engine, 0):
+                    last[engine] = op.value
+            for engine, value in last.items():
+                await engine.signal.wait_async(value)
             self._retire()
 
     def _raise_failures(self) -> None:
@@ -108,16 +115,42 @@ class Scheduler:
         await self._wait_all()
         self._raise_failures()
 
-    async def _admit(self) -> None:
+    def _has_room(self) -> bool:
+        """Whether an op may be submitted now, without waiting (and nobody is waiting before it)."""
         if not self._open:
             raise RuntimeError("the scheduler is not open: use `async with Scheduler() as sched:`")
+        if self._queued:
+            return False
+        if len(self._inflight) < self.window:
+            return True
         self._retire()
-        inflight = self._inflight
-        while len(inflight) >= self.window:
-            oldest = inflight[0]
-            assert oldest.engine is not None
-            await oldest.engine.signal.wait_async(oldest.value)
+        return len(self._inflight) < self.window
+
+    async def _admit(self) -> None:
+        """Wait, in turn, until the window has room.
+
+        Only the task at the head of the queue waits for ops to finish; once it
+        is admitted it wakes the next one, so a finishing op wakes one task,
+        not every waiting one.
+        """
+        turn = anyio.Event()
+        queued = self._queued
+        queued.append(turn)
+        try:
+            if queued[0] is not turn:
+                await turn.wait()
+            inflight = self._inflight
             self._retire()
+            while len(inflight) >= self.window:
+                oldest = inflight[0]
+                assert oldest.engine is not None
+                await oldest.engine.signal.wait_async(oldest.value)
+                self._retire()
+        finally:  # admitted or cancelled: leave the queue, and pass the head on
+            head = queued[0] is turn
+            queued.remove(turn)
+            if head and queued:
+                queued[0].set()
 
     def _track(self, op: Op) -> Op:
         self._inflight.append(op)
@@ -125,29 +158,34 @@ class Scheduler:
 
     async def copyin(self, buf: Buffer, data: Any) -> Op:
         """Enqueue a copy of host ``data`` into ``buf`` (waits while the window is full)."""
-        await self._admit()
+        if not self._has_room():
+            await self._admit()
         return self._track(buf.owner.copyin(buf, data))
 
     async def copyout(self, buf: Buffer, into: Any = None) -> Op:
         """Enqueue a copy of ``buf`` to the host; awaiting the handle gives the data."""
-        await self._admit()
+        if not self._has_room():
+            await self._admit()
         return self._track(buf.owner.copyout(buf, into))
 
     async def transfer(self, dst: Buffer, src: Buffer) -> Op:
         """Enqueue a device-to-device copy on the source's copy queue."""
-        await self._admit()
+        if not self._has_room():
+            await self._admit()
         return self._track(src.owner.transfer(dst, src))
 
     async def launch(
         self, prog: Program, *bufs: Buffer, vals: Sequence[int | float] = (), outs: Sequence[int] | None = None
     ) -> Op:
         """Enqueue a kernel on its device's compute queue."""
-        await self._admit()
+        if not self._has_room():
+            await self._admit()
         return self._track(prog.device.launch(prog, *bufs, vals=vals, outs=outs))
 
     async def replay(self, graph: Graph, buffers: dict[Buffer, Buffer] | None = None, **inputs: Any) -> GraphRun:
         """Enqueue a replay of a captured :class:`~aruntime.graph.Graph` (see :meth:`Graph.replay`)."""
-        await self._admit()
+        if not self._has_room():
+            await self._admit()
         run = graph.replay(buffers, **inputs)
         for op in run.ops:
             self._track(op)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from functools import partial
 
 from aruntime.errors import SignalTimeout
-from aruntime.wakeup import TrioWaiter, asyncio_waker, trio_waker
+from aruntime.wakeup import Waiter, asyncio_waker, trio_waker
 
 
 class TimelineSignal:
@@ -42,10 +42,12 @@ class TimelineSignal:
             if value <= old:
                 raise ValueError(f"{self.name}: timeline must increase (at {old}, asked to set {value})")
             self.value = value
-            callbacks = self._callbacks
-            fired = [callbacks.pop(v) for v in range(old + 1, value + 1) if v in callbacks]
             if self._blocked:
                 self._cond.notify_all()
+            callbacks = self._callbacks
+            if not callbacks:
+                return
+            fired = [callbacks.pop(v) for v in range(old + 1, value + 1) if v in callbacks]
         for group in fired:
             for callback in group:
                 callback()
@@ -84,38 +86,31 @@ class TimelineSignal:
         if self.value >= value:
             return
         limit = self.timeout if timeout is None else timeout
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            await self._wait_trio(value, limit)
+        error = partial(self._timeout_error, value, limit)
+        loop = asyncio._get_running_loop()
+        if loop is None:
+            await self._wait_trio(value, limit, error)
             return
         fut: asyncio.Future[None] = loop.create_future()
-        self.on_reach(value, partial(asyncio_waker(loop).post, fut))
-        if fut.done():
-            return
-        timer = loop.call_later(limit, _expire, fut, self, value, limit)
+        waiter = Waiter(fut, loop.time() + limit, error)
+        waker = asyncio_waker(loop)
+        self.on_reach(value, partial(waker.post, waiter))
+        waker.track(waiter)
         try:
             await fut
         finally:
-            timer.cancel()
+            waiter.task = None  # woken, timed out or cancelled: the waker has nothing left to do
 
-    async def _wait_trio(self, value: int, limit: float) -> None:
+    async def _wait_trio(self, value: int, limit: float, error: Callable[[], BaseException]) -> None:
         import trio
 
-        waiter = TrioWaiter(trio.lowlevel.current_task())
-        self.on_reach(value, partial(trio_waker().post, waiter))
+        waiter = Waiter(trio.lowlevel.current_task(), trio.current_time() + limit, error)
+        waker = trio_waker()
+        self.on_reach(value, partial(waker.post, waiter))
+        waker.track(waiter)
 
         def abort(_: object) -> trio.lowlevel.Abort:
-            waiter.live = False
+            waiter.task = None
             return trio.lowlevel.Abort.SUCCEEDED
 
-        try:
-            with trio.fail_after(limit):
-                await trio.lowlevel.wait_task_rescheduled(abort)
-        except trio.TooSlowError:
-            raise self._timeout_error(value, limit) from None
-
-
-def _expire(fut: asyncio.Future[None], signal: TimelineSignal, value: int, limit: float) -> None:
-    if not fut.done():
-        fut.set_exception(signal._timeout_error(value, limit))
+        await trio.lowlevel.wait_task_rescheduled(abort)

@@ -1,16 +1,23 @@
 """Waking tasks from engine threads: one loop wake per batch of completions.
 
-An engine thread that completes work calls :meth:`Waker.post` with the token of
-each waiting task. The first post after a drain schedules one call on the
-task's event loop through the loop's thread-safe entry point; later posts only
-append to the pending batch. The drain then wakes every task in the batch.
-Works for asyncio (including uvloop) and trio; each loop has its own waker, so
-a task may await from any loop or thread.
+An engine thread that completes work calls :meth:`Waker.post` with the
+:class:`Waiter` of each waiting task. The first post after a drain schedules
+one call on the task's event loop through the loop's thread-safe entry point;
+later posts only append to the pending batch. The drain then wakes every task
+in the batch. Works for asyncio (including uvloop) and trio; each loop has its
+own waker, so a task may await from any loop or thread.
+
+Each waker also times out its waiters: their deadlines are kept in one heap,
+with one timer armed for the earliest, so a wait costs a heap push rather than
+a timer (asyncio) or a cancel scope (trio) of its own. Entries of waiters that
+were woken or cancelled first are dropped lazily.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import math
 import threading
 import weakref
 from collections import deque
@@ -18,20 +25,36 @@ from collections.abc import Callable
 from typing import Any
 
 
+class Waiter:
+    """A suspended task: an asyncio future or a trio task, cleared once it is resumed or gives up waiting."""
+
+    __slots__ = ("deadline", "task", "timeout_error")
+
+    def __init__(self, task: Any, deadline: float, timeout_error: Callable[[], BaseException]) -> None:
+        self.task = task
+        self.deadline = deadline
+        self.timeout_error = timeout_error
+
+    def __lt__(self, other: Waiter) -> bool:
+        return self.deadline < other.deadline
+
+
 class Waker:
     """Collects wake-ups from any thread and delivers them on one event loop in batches."""
 
-    __slots__ = ("__weakref__", "_call_soon", "_lock", "_pending", "_scheduled")
+    __slots__ = ("__weakref__", "_call_soon", "_compact_at", "_deadlines", "_lock", "_pending", "_scheduled")
 
     def __init__(self, call_soon_threadsafe: Callable[[Callable[[], None]], object]) -> None:
         self._call_soon = call_soon_threadsafe
-        self._pending: deque[Any] = deque()
+        self._pending: deque[Waiter] = deque()
         self._scheduled = False
         self._lock = threading.Lock()
+        self._deadlines: list[Waiter] = []
+        self._compact_at = 64
 
-    def post(self, token: Any) -> None:
-        """Queue ``token`` to be woken on this waker's loop (thread-safe, never blocks on the loop)."""
-        self._pending.append(token)
+    def post(self, waiter: Waiter) -> None:
+        """Queue ``waiter`` to be woken on this waker's loop (thread-safe, never blocks on the loop)."""
+        self._pending.append(waiter)
         if self._scheduled:
             return
         with self._lock:
@@ -46,45 +69,121 @@ class Waker:
     def _drain(self) -> None:
         self._scheduled = False
         pending = self._pending
-        wake = self._wake
         while pending:
-            wake(pending.popleft())
+            waiter = pending.popleft()
+            task = waiter.task
+            if task is not None:
+                waiter.task = None
+                self._resume(task, None)
 
-    def _wake(self, token: Any) -> None:  # pragma: no cover - overridden
+    def track(self, waiter: Waiter) -> None:
+        """Time ``waiter`` out at its deadline unless it is woken first (call on the loop's thread)."""
+        heap = self._deadlines
+        if len(heap) >= self._compact_at:
+            heap[:] = [w for w in heap if w.task is not None]
+            heapq.heapify(heap)
+            self._compact_at = max(64, 2 * len(heap))
+        heapq.heappush(heap, waiter)
+        if heap[0] is waiter:
+            self._arm(waiter.deadline)
+
+    def _expire(self, now: float) -> None:
+        """Time out the waiters whose deadline is past, then arm the timer for the next deadline."""
+        heap = self._deadlines
+        while heap and (heap[0].task is None or heap[0].deadline <= now):
+            waiter = heapq.heappop(heap)
+            task = waiter.task
+            if task is not None:
+                waiter.task = None
+                self._resume(task, waiter.timeout_error())
+        if heap:
+            self._arm(heap[0].deadline)
+
+    def _resume(self, task: Any, error: BaseException | None) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def _arm(self, deadline: float) -> None:  # pragma: no cover - overridden
+        """Make sure :meth:`_expire` runs on the loop by ``deadline``."""
         raise NotImplementedError
 
 
 class AsyncioWaker(Waker):
-    """Wakes asyncio futures."""
+    """Wakes asyncio futures; one ``call_at`` timer watches the deadlines.
 
-    __slots__ = ()
+    It holds its loop only weakly, so a finished loop and its waker are freed.
+    """
 
-    def _wake(self, token: asyncio.Future[None]) -> None:
-        if not token.done():
-            token.set_result(None)
+    __slots__ = ("_loop", "_timer")
 
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = weakref.ref(loop)
+        super().__init__(self._call_soon_threadsafe)
+        self._timer: asyncio.TimerHandle | None = None
 
-class TrioWaiter:
-    """A suspended trio task; ``live`` is cleared once it is woken or aborted."""
+    def _call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
+        loop = self._loop()
+        if loop is None:
+            raise RuntimeError("the event loop is gone")
+        loop.call_soon_threadsafe(fn)
 
-    __slots__ = ("live", "task")
+    def _resume(self, fut: asyncio.Future[None], error: BaseException | None) -> None:
+        if fut.done():
+            return
+        if error is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(error)
 
-    def __init__(self, task: Any) -> None:
-        self.task = task
-        self.live = True
+    def _arm(self, deadline: float) -> None:
+        timer = self._timer
+        if timer is not None:
+            if timer.when() <= deadline:
+                return
+            timer.cancel()
+        loop = self._loop()
+        if loop is not None:
+            self._timer = loop.call_at(deadline, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        loop = self._loop()
+        if loop is not None:
+            self._expire(loop.time())
 
 
 class TrioWaker(Waker):
-    """Reschedules suspended trio tasks."""
+    """Reschedules suspended trio tasks; one system task sleeps until the earliest deadline."""
 
-    __slots__ = ()
+    __slots__ = ("_watch",)
 
-    def _wake(self, token: TrioWaiter) -> None:
-        if token.live:
-            token.live = False
-            import trio
+    def __init__(self, run_sync_soon: Callable[[Callable[[], None]], object]) -> None:
+        super().__init__(run_sync_soon)
+        self._watch: Any = None  # the cancel scope the watchdog task sleeps in
 
-            trio.lowlevel.reschedule(token.task)
+    def _resume(self, task: Any, error: BaseException | None) -> None:
+        import outcome
+        import trio
+
+        trio.lowlevel.reschedule(task, outcome.Value(None) if error is None else outcome.Error(error))
+
+    def _arm(self, deadline: float) -> None:
+        import trio
+
+        if self._watch is None:
+            self._watch = trio.CancelScope()
+            trio.lowlevel.spawn_system_task(self._watchdog, name="aruntime wait timeouts")
+        elif deadline < self._watch.deadline:
+            self._watch.deadline = deadline
+
+    async def _watchdog(self) -> None:
+        import trio
+
+        while True:
+            self._expire(trio.current_time())
+            heap = self._deadlines
+            self._watch = trio.CancelScope(deadline=heap[0].deadline if heap else math.inf)
+            with self._watch:
+                await trio.sleep_forever()
 
 
 _asyncio_wakers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncioWaker] = weakref.WeakKeyDictionary()
@@ -95,7 +194,7 @@ def asyncio_waker(loop: asyncio.AbstractEventLoop) -> AsyncioWaker:
     """The waker of a running asyncio loop (created on first use)."""
     waker = _asyncio_wakers.get(loop)
     if waker is None:
-        waker = _asyncio_wakers[loop] = AsyncioWaker(loop.call_soon_threadsafe)
+        waker = _asyncio_wakers[loop] = AsyncioWaker(loop)
     return waker
 
 

@@ -120,3 +120,27 @@ async def test_replay_records_a_graph_event() -> None:
     assert event.deps == ((), (0,), (1,))
     assert all(s <= e for s, e in zip(event.starts, event.ends, strict=True))
     assert event.ends[0] <= event.starts[1] and event.ends[1] <= event.starts[2]
+
+
+async def test_replay_runs_independent_entries_of_an_engine_before_waiting_ones() -> None:
+    dev = Device["CPU:2"]
+    prog = await dev.compile(SCALE, outs=(0,))
+    xs = [await dev.allocate(N, dtypes.float32) for _ in range(3)]
+    ys = [await dev.allocate(N, dtypes.float32) for _ in range(3)]
+    graph = Graph()
+    for k in range(3):
+        graph.copyin(xs[k], f"x{k}")
+        graph.launch(prog, ys[k], xs[k], vals=(N, float(k + 1)))
+        graph.copyout(ys[k], f"y{k}")
+    recorder.enabled = True
+    try:
+        mark = len(recorder.events)
+        result = await graph.replay(**{f"x{k}": floats(10.0) for k in range(3)})
+        await dev.synchronize()
+    finally:
+        recorder.enabled = False
+    assert [values(result[f"y{k}"]) for k in range(3)] == [{10.0}, {20.0}, {30.0}]
+    (event,) = [e for e in recorder.events[mark:] if isinstance(e, GraphEvent)]
+    copyins, copyouts = event.starts[0::3], event.starts[2::3]
+    assert max(copyins) < min(copyouts)  # the copy queue does not hold copy-in 1 behind copy-out 0
+    assert event.deps == ((), (0,), (1,), (), (3,), (4,), (), (6,), (7,))

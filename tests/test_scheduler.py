@@ -152,3 +152,33 @@ async def test_enqueue_outside_the_context_is_an_error() -> None:
         await sched.copyin(buf, bytes(4))
     with pytest.raises(ValueError, match="window must be a positive int"):
         Scheduler(window=0)
+
+
+async def test_waiting_tasks_are_admitted_in_turn_and_a_cancelled_one_leaves_the_queue() -> None:
+    dev, flag, gate = await _gate("CPU:2")
+    add = await dev.compile(ADD_ONE)
+    out = await dev.allocate(1, dtypes.int32)
+    bufs = [await dev.allocate(8) for _ in range(3)]
+    for b in bufs:
+        dev.copyin(b, bytes(8))
+    admitted: list[int] = []
+    with anyio.fail_after(10):
+        async with Scheduler(window=1) as sched, anyio.create_task_group() as tg:
+            await sched.launch(gate, out, vals=(flag.handle, SPINS))  # fills the window
+
+            async def enqueue(i: int, task_status: Any) -> None:
+                with anyio.CancelScope() as scope:
+                    task_status.started(scope)
+                    await sched.launch(add, bufs[i], vals=(8,))
+                    admitted.append(i)
+
+            scopes = []
+            for i in range(3):
+                scopes.append(await tg.start(enqueue, i))
+                await anyio.wait_all_tasks_blocked()  # queued in this order
+            scopes[1].cancel()  # the middle one gives up its turn
+            await anyio.wait_all_tasks_blocked()
+            assert admitted == []
+            await dev.copyin(flag, array.array("i", [1]))
+    assert admitted == [0, 2]
+    assert [bytes(await dev.copyout(b)) for b in bufs] == [b"\x01" * 8, bytes(8), b"\x01" * 8]

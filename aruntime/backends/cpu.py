@@ -9,6 +9,7 @@ buffer as a pointer, then each scalar: Python ints as ``int64_t``, floats as
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import shutil
 import subprocess
@@ -18,12 +19,32 @@ from collections.abc import Sequence
 from typing import Any
 
 from aruntime.allocator import HostAllocator
+from aruntime.compile_cache import cache_get, cache_put
 from aruntime.compiler import Compiler
 from aruntime.device import BaseDevice, Program
 from aruntime.dtype import DType, dtypes
 from aruntime.errors import CompileError
 
 FLAGS = ("-O2", "-fPIC", "-shared")
+_VERSIONS_TABLE = "CPU_compiler_versions"
+
+
+def _compiler_version(path: str) -> str:
+    """The ``--version`` output of the compiler at ``path``.
+
+    Remembered in the compile cache under the compiler file's identity (real
+    path, inode, size and modification time, like ccache's ``mtime`` check), so
+    a warm process runs no compiler at all; reinstalling the compiler changes
+    that identity and runs ``--version`` again.
+    """
+    st = os.stat(path)
+    ident = f"{os.path.realpath(path)}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+    known = cache_get(_VERSIONS_TABLE, ident)
+    if known is not None:
+        return known.decode()
+    version = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
+    cache_put(_VERSIONS_TABLE, ident, version.encode())
+    return version
 
 
 class CCompiler(Compiler):
@@ -43,8 +64,7 @@ class CCompiler(Compiler):
                 path = shutil.which(self.cc)
                 if path is None:
                     return None
-                version = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
-                self._key = self.make_cachekey("CPU", path, version, *FLAGS)
+                self._key = self.make_cachekey("CPU", path, _compiler_version(path), *FLAGS)
             return self._key
 
     def compile(self, src: str) -> bytes:
@@ -65,20 +85,47 @@ class CCompiler(Compiler):
                 return f.read()
 
 
+@functools.cache
+def _load_dir() -> str | None:
+    """Where libraries are written for dlopen: RAM-backed /dev/shm where it allows that, else the temp directory."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    usable = not st.f_flag & (os.ST_NOEXEC | os.ST_RDONLY) and os.access("/dev/shm", os.W_OK | os.X_OK)
+    return "/dev/shm" if usable else None
+
+
+_loaded: dict[bytes, ctypes.CDLL] = {}
+
+
+def _load_library(lib: bytes) -> ctypes.CDLL:
+    """The shared library ``lib``, loaded with dlopen once per process.
+
+    Programs compiled to the same binary share it (static variables included),
+    so compiling a kernel again maps nothing new. dlopen needs a file: the
+    library is written to a private temporary file, loaded and unlinked at once.
+    """
+    loaded = _loaded.get(lib)
+    if loaded is None:
+        fd, path = tempfile.mkstemp(prefix="aruntime-", suffix=".so", dir=_load_dir())
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(lib)
+            loaded = _loaded.setdefault(lib, ctypes.CDLL(path))
+        finally:
+            os.unlink(path)
+    return loaded
+
+
 class CPUProgram(Program):
     """A kernel loaded with dlopen from the compiled shared library."""
 
     def __init__(self, device: BaseDevice, name: str, lib: bytes, outs: Sequence[int] | None = None) -> None:
         super().__init__(device, name, lib, outs)
-        fd, path = tempfile.mkstemp(prefix="aruntime-", suffix=".so")
+        self._lib = _load_library(lib)
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(lib)
-            self._lib = ctypes.CDLL(path)
-        finally:
-            os.unlink(path)
-        try:
-            self._fn = getattr(self._lib, name)
+            self._fn = self._lib[name]
         except AttributeError:
             raise CompileError(f"the compiled library has no function {name!r}") from None
         self._fn.restype = None

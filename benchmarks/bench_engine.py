@@ -1,0 +1,336 @@
+"""Engine benchmarks: op round trip, NULL-device op throughput, copy bandwidth, compile times.
+
+Every figure is compared with a baseline measured in the same run:
+
+* ``roundtrip``: ``await dev.launch(empty kernel)`` on CPU against a bare worker
+  thread that wakes one future on the same loop (time per round trip).
+* ``null_ops``: 100k NULL-device launches submitted, then each awaited, against
+  a bare worker that takes futures from a queue and wakes the loop once per
+  batch to resolve them (ops per second).
+* ``copies``: ``copyin``/``copyout`` of 1, 64 and 256 MiB against one plain
+  ``ctypes.memmove`` of the same size (GB/s). Small copies are timed as a
+  stream of copies in flight, big ones one at a time.
+* ``compile``: a warm-cache compile in a fresh process, where the persistent
+  cache (not an in-process memo) is what makes it warm, against a cold one; and
+  8 different kernels compiled at once against one after another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import os
+import queue
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Generator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from aruntime import Device, Op
+from benchmarks.common import Benchmark, Result, interleaved, loop_independent, result, settings
+
+ROOT = Path(__file__).resolve().parent.parent
+EMPTY_KERNEL = "void kernel(void) {}"
+
+
+# ---- the baseline: a bare worker thread that wakes the loop ------------------------------------------
+
+
+class _TrioFuture:
+    """The least a trio task needs to await a value set from another thread."""
+
+    __slots__ = ("done", "task")
+
+    def __init__(self) -> None:
+        self.done = False
+        self.task: Any = None
+
+    def set_result(self, _: None) -> None:
+        import trio
+
+        self.done = True
+        if self.task is not None:
+            trio.lowlevel.reschedule(self.task)
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self._wait().__await__()
+
+    async def _wait(self) -> None:
+        if not self.done:
+            import trio
+
+            self.task = trio.lowlevel.current_task()
+            await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.SUCCEEDED)
+
+
+def _resolve(batch: list[Any]) -> None:
+    for fut in batch:
+        fut.set_result(None)
+
+
+class BareWorker:
+    """A thread that takes futures from a queue and resolves them with one loop wake-up per batch.
+
+    Created inside the running loop (asyncio, uvloop or trio); :meth:`close` stops the thread.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            import trio
+
+            self._call_soon: Callable[..., object] = trio.lowlevel.current_trio_token().run_sync_soon
+            self.future: Callable[[], Any] = _TrioFuture
+        else:
+            self._call_soon = loop.call_soon_threadsafe
+            self.future = loop.create_future
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def submit(self) -> Any:
+        """A new future that the worker resolves."""
+        fut = self.future()
+        self._queue.put(fut)
+        return fut
+
+    def _run(self) -> None:
+        get, get_nowait, empty = self._queue.get, self._queue.get_nowait, self._queue.empty
+        while (item := get()) is not None:
+            batch = [item]
+            while not empty():
+                batch.append(get_nowait())
+            if batch[-1] is None:
+                self._call_soon(_resolve, batch[:-1])
+                return
+            self._call_soon(_resolve, batch)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+
+# ---- 1. round trip -------------------------------------------------------------------------------------
+
+
+async def roundtrip() -> list[Result]:
+    """Awaited launch of an empty CPU kernel against a bare worker thread waking a future on the same loop."""
+    n, repeats = (50, 3) if settings.quick else (400, 9)
+    dev = Device["CPU"]
+    prog = await dev.compile(EMPTY_KERNEL)
+    worker = BareWorker()
+
+    async def ours() -> None:
+        for _ in range(n):
+            await dev.launch(prog)
+
+    async def base() -> None:
+        for _ in range(n):
+            await worker.submit()
+
+    try:
+        ours_s, base_s = await interleaved(ours, base, repeats)
+    finally:
+        worker.close()
+    value, baseline = ours_s / n * 1e6, base_s / n * 1e6
+    ratio = value / baseline
+    return [result("roundtrip", value, "us", baseline, ratio, "ratio <= 1.5", ratio <= 1.5)]
+
+
+# ---- 2. NULL-device op throughput ----------------------------------------------------------------------
+
+
+async def null_ops() -> list[Result]:
+    """100k NULL launches submitted, then awaited, against a bare worker that wakes the loop once per batch."""
+    n, repeats = (5_000, 1) if settings.quick else (100_000, 5)
+    dev = Device["NULL"]
+    prog = await dev.compile(EMPTY_KERNEL)
+    worker = BareWorker()
+
+    async def ours() -> None:
+        ops = [dev.launch(prog) for _ in range(n)]
+        for op in ops:
+            await op
+
+    async def base() -> None:
+        futs = [worker.submit() for _ in range(n)]
+        for fut in futs:
+            await fut
+
+    try:
+        ours_s, base_s = await interleaved(ours, base, repeats)
+    finally:
+        worker.close()
+    value, baseline = n / ours_s, n / base_s
+    ratio = value / baseline
+    need = 300_000 if settings.loop == "uvloop" else 0
+    goal = "ratio >= 0.5" + (f" and >= {need} ops/s" if need else "")
+    return [result("null_ops", value, "ops/s", baseline, ratio, goal, ratio >= 0.5 and value >= need, ops=n)]
+
+
+# ---- 3. copies -----------------------------------------------------------------------------------------
+
+
+async def _stream(submit: Callable[[], Op], count: int) -> None:
+    ops = [submit() for _ in range(count)]
+    for op in ops:
+        await op
+
+
+async def _memmoves(dst: int, src: int, size: int, count: int) -> None:
+    for _ in range(count):
+        ctypes.memmove(dst, src, size)
+
+
+async def copies() -> list[Result]:
+    """copyin/copyout GB/s against plain memmove of the same size, per size."""
+    sizes = (1 << 20, 8 << 20) if settings.quick else (1 << 20, 64 << 20, 256 << 20)
+    stream = 32 << 20  # copies smaller than this are timed as a stream of them, all in flight
+    dev = Device["CPU"]
+    rows: list[Result] = []
+    for size in sizes:
+        count = max(1, stream // size)
+        repeats = 3 if settings.quick else max(5, min(15, (1 << 30) // (size * count)))
+        host_in = bytearray(b"\x5a") * size
+        host_out = bytearray(size)
+        buf = await dev.allocate(size)
+        host_in_at = ctypes.addressof((ctypes.c_char * size).from_buffer(host_in))
+        host_out_at = ctypes.addressof((ctypes.c_char * size).from_buffer(host_out))
+        cases = {
+            "copyin": (partial(dev.copyin, buf, host_in), (buf.handle, host_in_at)),
+            "copyout": (partial(dev.copyout, buf, host_out), (host_out_at, buf.handle)),
+        }
+        for direction, (submit, (dst, src)) in cases.items():
+            ours_s, base_s = await interleaved(
+                partial(_stream, submit, count), partial(_memmoves, dst, src, size, count), repeats
+            )
+            value, baseline = size * count / ours_s / 1e9, size * count / base_s / 1e9
+            ratio = value / baseline
+            name = f"{direction}_{size >> 20}MiB"
+            rows.append(result(name, value, "GB/s", baseline, ratio, "ratio >= 0.85", ratio >= 0.85, in_flight=count))
+        await dev.free(buf)
+    return rows
+
+
+# ---- 4. compile ----------------------------------------------------------------------------------------
+
+
+def _kernels(tag: str, count: int) -> list[str]:
+    """``count`` different small kernels; ``tag`` makes them differ from any compiled before."""
+    return [
+        f"/* {tag} {i} */\n#include <stdint.h>\n"
+        f"void kernel(float *o, const float *x, int64_t n) {{ for (int64_t j = 0; j < n; j++) o[j] = x[j] * {i + 2}; }}"
+        for i in range(count)
+    ]
+
+
+def _compile_child(sources: list[str]) -> list[float]:
+    """In a fresh process: compile each source once on CPU and return the seconds each took."""
+
+    async def main() -> list[float]:
+        dev = Device["CPU"]
+        times = []
+        for src in sources:
+            start = time.perf_counter()
+            await dev.compile(src)
+            times.append(time.perf_counter() - start)
+        return times
+
+    times: list[float] = anyio.run(main)
+    return times
+
+
+async def _in_fresh_process(sources: list[str], env: dict[str, str]) -> list[float]:
+    code = "import json, sys; from benchmarks.bench_engine import _compile_child; "
+    code += "print(json.dumps(_compile_child(json.load(sys.stdin))))"
+    proc = await anyio.run_process(
+        [sys.executable, "-c", code], input=json.dumps(sources).encode(), env=env, cwd=ROOT, check=False
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"compile child failed:\n{proc.stderr.decode(errors='replace')}")
+    times: list[float] = json.loads(proc.stdout)
+    return times
+
+
+@loop_independent
+async def compile_warm() -> list[Result]:
+    """A warm-cache compile, in a fresh process, against a cold compile.
+
+    One process compiles ``n`` new kernels into an empty cache (the cold times).
+    A second, fresh process compiles them again with ``ASSERT_COMPILE=1``, so any
+    miss fails: each compile there is a persistent-cache hit seen for the first
+    time in that process, so no in-process memo can answer it. The first compile
+    of that process also pays the one-time costs (the compiler key, the cache
+    connection) and is reported separately; the goal is on the median of the rest.
+    """
+    n = 4 if settings.quick else 12
+    sources = _kernels(uuid.uuid4().hex, n)
+    with tempfile.TemporaryDirectory(prefix="aruntime-bench-") as tmp:
+        env = {**os.environ, "CACHEDB": os.path.join(tmp, "cache.db"), "PYTHONPATH": str(ROOT)}
+        for var in ("DISABLE_COMPILER_CACHE", "CACHELEVEL", "ASSERT_COMPILE"):
+            env.pop(var, None)
+        cold = await _in_fresh_process(sources, env)
+        warm = await _in_fresh_process(sources, {**env, "ASSERT_COMPILE": "1"})
+    cold_ms = statistics.median(cold) * 1e3
+    warm_ms = statistics.median(warm[1:]) * 1e3
+    first_ms = warm[0] * 1e3
+    return [
+        result("compile_warm", warm_ms, "ms", cold_ms, warm_ms / cold_ms, "<= 1 ms", warm_ms <= 1.0, kernels=n - 1),
+        result("compile_warm_first", first_ms, "ms", cold_ms, first_ms / cold_ms, "none (one-time costs)", None),
+    ]
+
+
+@loop_independent
+async def compile_parallel() -> list[Result]:
+    """8 different kernels compiled at once against the same number compiled one after another (cold)."""
+    n, repeats = 8, (1 if settings.quick else 3)
+    dev = Device["CPU"]
+    serial_s: list[float] = []
+    parallel_s: list[float] = []
+    saved = {var: os.environ.pop(var, None) for var in ("CACHEDB", "ASSERT_COMPILE")}
+    try:
+        with tempfile.TemporaryDirectory(prefix="aruntime-bench-") as tmp:
+            os.environ["CACHEDB"] = os.path.join(tmp, "cache.db")
+            await dev.compile(EMPTY_KERNEL)  # warm up the compiler key and the worker threads
+            for _ in range(repeats):
+                start = time.perf_counter()
+                for src in _kernels(uuid.uuid4().hex, n):
+                    await dev.compile(src)
+                serial_s.append(time.perf_counter() - start)
+                start = time.perf_counter()
+                async with anyio.create_task_group() as tg:
+                    for src in _kernels(uuid.uuid4().hex, n):
+                        tg.start_soon(dev.compile, src)
+                parallel_s.append(time.perf_counter() - start)
+    finally:
+        for var, value in saved.items():
+            os.environ.pop(var, None)
+            if value is not None:
+                os.environ[var] = value
+    serial, parallel = statistics.median(serial_s), statistics.median(parallel_s)
+    speedup = serial / parallel
+    return [
+        result(
+            "compile_parallel",
+            parallel * 1e3,
+            "ms",
+            serial * 1e3,
+            speedup,
+            "speedup >= 1.6",
+            speedup >= 1.6,
+            cpus=os.cpu_count(),
+        )
+    ]
+
+
+BENCHMARKS: list[Benchmark] = [roundtrip, null_ops, copies, compile_warm, compile_parallel]

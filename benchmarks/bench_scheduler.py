@@ -1,0 +1,491 @@
+"""Scheduler benchmarks: a copy/compute pipeline, a serving burst, and graph replay against eager submission.
+
+* ``scheduler_pipeline``: batches of copy-in -> kernel -> copy-out over two CPU
+  devices, the kernel calibrated in the same run to take as long as one copy of
+  the batch. Through a :class:`Scheduler` against the same ops awaited one by
+  one, and against the ideal makespan: the larger of (every op's time / cores)
+  and (the busiest queue's time), op times being the engine-side times of the
+  one-by-one pass.
+* ``scheduler_serving``: 1000 concurrent tasks, each copying its request in,
+  launching a small kernel and awaiting the copied-out result, against the same
+  memmoves and compiled C function called with ``anyio.to_thread.run_sync``.
+* ``scheduler_graph_replay``: a 30-op sequence (10 x copy-in, launch, copy-out on
+  tiny buffers) submitted eagerly through the device methods and awaited, against
+  one replay of the same sequence captured as a :class:`Graph`; per op, on the
+  CPU device and on the NULL device (pure runtime overhead).
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import functools
+import os
+import statistics
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import anyio
+
+from aruntime import Buffer, Device, Op, Program, dtypes
+from aruntime.device import BaseDevice
+from aruntime.events import RangeEvent, recorder
+from aruntime.graph import Graph
+from aruntime.scheduler import Scheduler
+from benchmarks.common import Result, interleaved, result, settings, timed
+
+# ---- shared helpers -------------------------------------------------------------------------------------------------
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) of ``values``, nearest rank."""
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered)) - 1))
+    return ordered[rank]
+
+
+def _address(obj: Any) -> int:
+    """The address of a writable buffer-protocol object's memory (the caller keeps ``obj`` alive)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(obj))
+
+
+async def _allocate(dev: BaseDevice, count: int, size: int) -> list[Buffer]:
+    return [await dev.allocate(size, dtypes.float32) for _ in range(count)]
+
+
+async def _exec_seconds(dev: BaseDevice, submit: Callable[[], Op], repeats: int) -> float:
+    """Median seconds the engine itself spends running the op ``submit()`` makes, from the engine's own ranges."""
+    was_enabled, mark = recorder.enabled, len(recorder.events)
+    recorder.enabled = True
+    try:
+        for _ in range(repeats):
+            await submit()
+    finally:
+        recorder.enabled = was_enabled
+    ranges = [e for e in recorder.events[mark:] if isinstance(e, RangeEvent) and e.device == dev.name]
+    if not was_enabled:
+        del recorder.events[mark:]
+    return statistics.median((e.end - e.start) / 1e6 for e in ranges)
+
+
+SPIN = r"""
+#include <stdint.h>
+void kernel(double *x, int64_t iters) {
+  double v = x[0];
+  for (int64_t i = 0; i < iters; i++) v = v * 0.5 + 1.0;
+  x[0] = v;
+}
+"""
+
+
+async def _parallel_ceiling(dev: BaseDevice) -> float:
+    """How much faster two threads run a compute-bound C loop than one, right now.
+
+    About 2 on two idle cores, about 1 while another process keeps one of them busy: no overlap of work across
+    queues can beat it, so it is reported next to the pipeline's figures.
+    """
+    prog = await dev.compile(SPIN, outs=(0,))
+    outs = [await dev.allocate(1, dtypes.float64) for _ in range(2)]
+    for out in outs:
+        await dev.copyin(out, array.array("d", [0.0]))
+    iters = 2_000_000
+
+    def spin(k: int) -> None:
+        prog(*prog.args([outs[k].handle], [iters]))
+
+    def measure() -> float:
+        start = time.perf_counter()
+        spin(0)
+        spin(1)
+        serial = time.perf_counter() - start
+        threads = [threading.Thread(target=spin, args=(k,)) for k in range(2)]
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return serial / (time.perf_counter() - start)
+
+    return statistics.median([await anyio.to_thread.run_sync(measure) for _ in range(3)])
+
+
+# ---- 1. pipeline ----------------------------------------------------------------------------------------------------
+
+PASSES = r"""
+#include <stdint.h>
+#include <string.h>
+#define BLOCK 2048
+/* y = x after `work` multiply-adds per BLOCK elements, done on an L1-resident copy of each block (full passes, then
+   a partial one): the memory traffic of one copy plus a run-time tunable amount of arithmetic. */
+void kernel(float *y, const float *x, int64_t n, int64_t work) {
+  float t[BLOCK] = {0};
+  for (int64_t b = 0; b < n; b += BLOCK) {
+    int64_t m = n - b < BLOCK ? n - b : BLOCK;
+    memcpy(t, x + b, (size_t)m * sizeof(float));
+    for (int64_t w = work; w > 0; w -= BLOCK) {
+      int64_t k = w < BLOCK ? w : BLOCK;
+      for (int64_t i = 0; i < k; i++) t[i] = t[i] * 0.5f + 1.0f;
+    }
+    memcpy(y + b, t, (size_t)m * sizeof(float));
+  }
+}
+"""
+
+BLOCK = 2048
+"""The kernel's block of floats (``#define BLOCK``)."""
+BATCH_BYTES = 2 << 20
+"""Small enough that a device's buffers stay in cache: bigger copies are bound by memory bandwidth that two cores
+share, so two of them at once take about as long as one after the other."""
+SLOTS = 2
+"""Device buffers per device that the batches rotate through (double buffering)."""
+
+
+async def _calibrate(dev: BaseDevice, prog: Program, x: Buffer, y: Buffer, src: Any, repeats: int) -> tuple[int, float]:
+    """The kernel's ``work`` that makes one launch run as long as one copy-in of the batch; and that copy's time."""
+    n = x.size
+    copy_s = await _exec_seconds(dev, lambda: dev.copyin(x, src), repeats)
+
+    async def kernel_s(work: int) -> float:
+        return await _exec_seconds(dev, lambda: dev.launch(prog, y, x, vals=(n, work)), repeats)
+
+    base = await kernel_s(0)
+    work = 8 * BLOCK
+    for _ in range(4):  # secant steps on the (nearly linear) time of `work`
+        took = await kernel_s(work)
+        if base >= copy_s or took <= base:
+            return 0, copy_s
+        if abs(took - copy_s) <= 0.05 * copy_s:
+            break
+        work = max(1, round(work * (copy_s - base) / (took - base)))
+    return work, copy_s
+
+
+async def scheduler_pipeline() -> list[Result]:
+    """Copy-in -> kernel -> copy-out batches over CPU and CPU:1: overlap through a Scheduler vs one by one."""
+    quick = settings.quick
+    nbytes = (256 << 10) if quick else BATCH_BYTES
+    batches = 6 if quick else 64
+    repeats = 1 if quick else 7
+    n = nbytes // 4
+    devs = [Device["CPU"], Device["CPU:1"]]
+    progs = [await d.compile(PASSES, outs=(0,)) for d in devs]
+    xs = [await _allocate(d, SLOTS, n) for d in devs]
+    ys = [await _allocate(d, SLOTS, n) for d in devs]
+    srcs = [array.array("f", range(n)) for _ in devs]
+    dsts = [[bytearray(nbytes) for _ in range(SLOTS)] for _ in devs]
+    work, copy_s = await _calibrate(devs[0], progs[0], xs[0][0], ys[0][0], srcs[0], 3 if quick else 15)
+    kernel_s = await _exec_seconds(devs[0], lambda: devs[0].launch(progs[0], ys[0][0], xs[0][0], vals=(n, work)), 5)
+
+    def ops() -> list[tuple[BaseDevice, bool, Callable[[], Op]]]:
+        """Every op of the run in program order: its device, whether it is a copy, and how to submit it."""
+        found: list[tuple[BaseDevice, bool, Callable[[], Op]]] = []
+        for b in range(batches):
+            d, s = b % len(devs), (b // len(devs)) % SLOTS
+            dev, prog, x, y, src, dst = devs[d], progs[d], xs[d][s], ys[d][s], srcs[d], dsts[d][s]
+            found.append((dev, True, functools.partial(dev.copyin, x, src)))
+            found.append((dev, False, functools.partial(dev.launch, prog, y, x, vals=(n, work))))
+            found.append((dev, True, functools.partial(dev.copyout, y, dst)))
+        return found
+
+    plan = ops()
+    op_s = [0.0] * len(plan)
+
+    async def one_by_one() -> None:
+        clock = time.perf_counter
+        for i, (_, _, submit) in enumerate(plan):
+            start = clock()
+            await submit()
+            op_s[i] = clock() - start
+
+    async def pipelined() -> None:
+        async with Scheduler(window=3 * SLOTS * len(devs)) as sched:
+            for b in range(batches):
+                d, s = b % len(devs), (b // len(devs)) % SLOTS
+                x, y = xs[d][s], ys[d][s]
+                await sched.copyin(x, srcs[d])
+                await sched.launch(progs[d], y, x, vals=(n, work))
+                await sched.copyout(y, dsts[d][s])
+
+    cores = _cores()
+    ceiling = await _parallel_ceiling(devs[0])
+    seq_s: list[float] = []
+    pipe_s: list[float] = []
+    ideal_s: list[float] = []
+    await one_by_one()  # warm-up
+    await pipelined()
+    for _ in range(repeats):
+        seq_s.append(await timed(one_by_one))
+        pipe_s.append(await timed(pipelined))
+        queues: dict[tuple[str, bool], float] = {}
+        for (dev, is_copy, _), took in zip(plan, op_s, strict=True):
+            queues[dev.name, is_copy] = queues.get((dev.name, is_copy), 0.0) + took
+        ideal_s.append(max(sum(op_s) / cores, max(queues.values())))
+    assert bytes(dsts[0][0][:8]) == _expected(srcs[0][:2], work), "wrong result"
+    speedup = statistics.median(seq / pipe for seq, pipe in zip(seq_s, pipe_s, strict=True))
+    vs_ideal = statistics.median(pipe / ideal for pipe, ideal in zip(pipe_s, ideal_s, strict=True))
+    pipe_ms = statistics.median(pipe_s) * 1e3
+    extra = {
+        "batches": batches,
+        "batch_bytes": nbytes,
+        "work_per_block": work,
+        "copy_exec_us": copy_s * 1e6,
+        "kernel_exec_us": kernel_s * 1e6,
+        "cores": cores,
+        "two_thread_speedup": ceiling,
+        "repeats": repeats,
+    }
+    return [
+        result(
+            "pipeline_speedup",
+            pipe_ms,
+            "ms",
+            statistics.median(seq_s) * 1e3,
+            speedup,
+            ">= 1.6x faster than one by one",
+            speedup >= 1.6,
+            **extra,
+        ),
+        result(
+            "pipeline_makespan_vs_ideal",
+            pipe_ms,
+            "ms",
+            statistics.median(ideal_s) * 1e3,
+            vs_ideal,
+            "<= 1.25x the ideal makespan",
+            vs_ideal <= 1.25,
+            **extra,
+        ),
+    ]
+
+
+def _expected(x: Sequence[float], work: int) -> bytes:
+    """What the pipeline kernel makes of the first elements ``x`` of a batch (fewer than BLOCK of them)."""
+    out = array.array("f", x)
+    for i in range(len(out)):
+        v = out[i]
+        for _ in range(work // BLOCK + (i < work % BLOCK)):
+            v = array.array("f", [v * 0.5 + 1.0])[0]  # float32 rounding at every step, as the kernel does
+        out[i] = v
+    return out.tobytes()
+
+
+# ---- 2. serving -----------------------------------------------------------------------------------------------------
+
+SCALE = r"""
+#include <stdint.h>
+void kernel(float *out, const float *x, int64_t n, double s) {
+  for (int64_t i = 0; i < n; i++) out[i] = x[i] * (float)s;
+}
+"""
+
+TASKS = 1000
+REQUEST = 256
+"""Floats per request."""
+
+
+async def _burst(tasks: int, handle: Callable[[int], Awaitable[object]]) -> tuple[float, list[float]]:
+    """Start ``tasks`` tasks blocked on one gate, open it; seconds until all are done, and each one's latency."""
+    gate, all_ready = anyio.Event(), anyio.Event()
+    latencies = [0.0] * tasks
+    ready = 0
+
+    async def one(i: int) -> None:
+        nonlocal ready
+        ready += 1
+        if ready == tasks:
+            all_ready.set()
+        await gate.wait()
+        start = time.perf_counter()
+        await handle(i)
+        latencies[i] = time.perf_counter() - start
+
+    async with anyio.create_task_group() as tg:
+        for i in range(tasks):
+            tg.start_soon(one, i)
+        await all_ready.wait()
+        begin = time.perf_counter()
+        gate.set()
+    return time.perf_counter() - begin, latencies
+
+
+async def scheduler_serving() -> list[Result]:
+    """1000 concurrent copy-in -> launch -> copy-out requests vs the same calls through anyio.to_thread.run_sync."""
+    quick = settings.quick
+    repeats = 1 if quick else 7
+    dev = Device["CPU"]
+    prog = await dev.compile(SCALE, outs=(0,))
+    n, nbytes = REQUEST, REQUEST * 4
+    xs = await _allocate(dev, TASKS, n)
+    ys = await _allocate(dev, TASKS, n)
+    requests = [array.array("f", [float(i)] * n) for i in range(TASKS)]
+    outs = [bytearray(nbytes) for _ in range(TASKS)]
+    req_addr = [r.buffer_info()[0] for r in requests]
+    out_addr = [_address(o) for o in outs]
+    memmove = ctypes.memmove
+
+    async def runtime(i: int) -> None:
+        dev.copyin(xs[i], requests[i])
+        dev.launch(prog, ys[i], xs[i], vals=(n, 2.0))
+        await dev.copyout(ys[i], outs[i])
+
+    def call(i: int) -> None:
+        x, y = xs[i].handle, ys[i].handle
+        memmove(x, req_addr[i], nbytes)
+        prog(*prog.args((y, x), (n, 2.0)))
+        memmove(out_addr[i], y, nbytes)
+
+    async def threaded(i: int) -> None:
+        await anyio.to_thread.run_sync(call, i)
+
+    sched: Scheduler | None = None
+
+    async def scheduled(i: int) -> None:
+        assert sched is not None
+        await sched.copyin(xs[i], requests[i])
+        await sched.launch(prog, ys[i], xs[i], vals=(n, 2.0))
+        await (await sched.copyout(ys[i], outs[i]))
+
+    async def scheduled_burst() -> tuple[float, list[float]]:
+        nonlocal sched
+        async with Scheduler() as sched:
+            return await _burst(TASKS, scheduled)
+
+    variants: dict[str, Callable[[], Awaitable[tuple[float, list[float]]]]] = {
+        "runtime": lambda: _burst(TASKS, runtime),
+        "scheduler": scheduled_burst,
+        "to_thread": lambda: _burst(TASKS, threaded),
+    }
+    for run in variants.values():  # warm-up: threads started, code paths hot
+        await run()
+    seconds: dict[str, list[float]] = {k: [] for k in variants}
+    latencies: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(repeats):
+        for key, run in variants.items():
+            took, lat = await run()
+            seconds[key].append(took)
+            latencies[key].extend(lat)
+    assert set(array.array("f", bytes(outs[-1]))) == {2.0 * (TASKS - 1)}, "wrong result"
+
+    def rps(key: str) -> float:
+        return TASKS / statistics.median(seconds[key])
+
+    def ms(key: str, q: float) -> float:
+        return _percentile(latencies[key], q) * 1e3
+
+    base_rps = rps("to_thread")
+    base_lat = {"baseline_p50_ms": ms("to_thread", 50), "baseline_p99_ms": ms("to_thread", 99)}
+    common = {"tasks": TASKS, "request_bytes": nbytes, "repeats": repeats}
+    rows = []
+    for key, label in (("runtime", "serving"), ("scheduler", "serving_sched")):
+        ratio = rps(key) / base_rps
+        lat = {"p50_ms": ms(key, 50), "p99_ms": ms(key, 99)}
+        rows.append(
+            result(
+                f"{label}_throughput",
+                rps(key),
+                "req/s",
+                base_rps,
+                ratio,
+                ">= 10x to_thread",
+                ratio >= 10,
+                **lat,
+                **base_lat,
+                **common,
+            )
+        )
+        for q in (50, 99):
+            ours, theirs = ms(key, q), ms("to_thread", q)
+            rows.append(result(f"{label}_p{q}", ours, "ms", theirs, theirs / ours, "report only", None, **common))
+    return rows
+
+
+# ---- 3. graph replay vs eager ---------------------------------------------------------------------------------------
+
+CHAIN = 10
+"""Copy-in, launch, copy-out triples in the sequence (3 ops each)."""
+TINY = 16
+"""Floats per buffer."""
+
+
+async def _replay_vs_eager(dev: BaseDevice, iterations: int, repeats: int) -> tuple[float, float, float]:
+    """Microseconds per op: replay, eager through the device methods, eager through a Scheduler."""
+    prog = await dev.compile(SCALE, outs=(0,))
+    xs = await _allocate(dev, CHAIN, TINY)
+    ys = await _allocate(dev, CHAIN, TINY)
+    srcs = [array.array("f", [float(k)] * TINY) for k in range(CHAIN)]
+    dsts = [bytearray(TINY * 4) for _ in range(CHAIN)]
+    graph = Graph()
+    for k in range(CHAIN):
+        graph.copyin(xs[k], f"x{k}")
+        graph.launch(prog, ys[k], xs[k], vals=(TINY, 2.0))
+        graph.copyout(ys[k], f"y{k}")
+    inputs: dict[str, Any] = {f"x{k}": srcs[k] for k in range(CHAIN)} | {f"y{k}": dsts[k] for k in range(CHAIN)}
+
+    async def eager() -> None:
+        for _ in range(iterations):
+            outs = []
+            for k in range(CHAIN):
+                dev.copyin(xs[k], srcs[k])
+                dev.launch(prog, ys[k], xs[k], vals=(TINY, 2.0))
+                outs.append(dev.copyout(ys[k], dsts[k]))
+            for op in outs:
+                await op
+
+    async def replay() -> None:
+        for _ in range(iterations):
+            await graph.replay(**inputs)
+
+    async def scheduled() -> None:
+        async with Scheduler() as sched:
+            for _ in range(iterations):
+                outs = []
+                for k in range(CHAIN):
+                    await sched.copyin(xs[k], srcs[k])
+                    await sched.launch(prog, ys[k], xs[k], vals=(TINY, 2.0))
+                    outs.append(await sched.copyout(ys[k], dsts[k]))
+                for op in outs:
+                    await op
+
+    replay_s, eager_s = await interleaved(replay, eager, repeats)
+    sched_s, _ = await interleaved(scheduled, eager, 1 if settings.quick else max(1, repeats // 2))
+    per_op = 1e6 / (iterations * CHAIN * 3)
+    return replay_s * per_op, eager_s * per_op, sched_s * per_op
+
+
+async def scheduler_graph_replay() -> list[Result]:
+    """Per-op cost of a 30-op sequence: graph replay vs eager submission, on CPU (tiny buffers) and NULL."""
+    quick = settings.quick
+    iterations = 10 if quick else 300
+    repeats = 1 if quick else 7
+    rows = []
+    for label, name in (("graph_replay_cpu", "CPU"), ("graph_replay_null", "NULL")):
+        replay_us, eager_us, sched_us = await _replay_vs_eager(Device[name], iterations, repeats)
+        ratio = eager_us / replay_us
+        rows.append(
+            result(
+                label,
+                replay_us,
+                "us/op",
+                eager_us,
+                ratio,
+                ">= 3x cheaper than eager",
+                ratio >= 3,
+                eager_sched_us_per_op=sched_us,
+                ops=CHAIN * 3,
+                iterations=iterations,
+                repeats=repeats,
+            )
+        )
+    return rows
+
+
+BENCHMARKS = [scheduler_pipeline, scheduler_serving, scheduler_graph_replay]

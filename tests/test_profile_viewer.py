@@ -1,0 +1,202 @@
+"""The offline timeline page, loaded in a real headless Chromium.
+
+Chromium (Debian's ``chromium`` package; ``.ci/run`` installs it) must be on
+PATH. Without it these tests fail under CI (``CI`` set) and skip elsewhere.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import random
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import anyio
+import pytest
+
+from aruntime import Device, dtypes, host_range, profile
+from aruntime.events import DependencyEvent, DeviceEvent, Event, RangeEvent
+from aruntime.profile.model import parse_trace
+from aruntime.profile.trace import load_trace, save_events
+from aruntime.profile.viewer import write_html
+from tests.kernels import SCALE
+
+BROWSERS = ("chromium", "chromium-browser")
+N = 64 * 1024
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    for name in BROWSERS:
+        found = shutil.which(name)
+        if found:
+            return found
+    message = "chromium is not installed (apt-get install chromium); the viewer's browser tests need it"
+    if _in_ci():
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def run_chromium(browser: str, profile_dir: Path, *args: str) -> str:
+    cmd = [
+        browser,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={profile_dir}",
+        *args,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+def page_state(dom: str) -> tuple[str, dict[str, str]]:
+    """The page's title and its ``<body data-*>`` attributes, from ``--dump-dom`` output."""
+    title = re.search(r"<title>(.*?)</title>", dom, re.S)
+    body = re.search(r"<body([^>]*)>", dom)
+    assert title and body, dom[:500]
+    attrs = dict(re.findall(r'data-([a-z-]+)="([^"]*)"', body[1]))
+    return title[1], attrs
+
+
+def png_pixels(path: Path) -> tuple[int, int, set[tuple[int, int, int]]]:
+    """Width, height and the set of RGB colours of an 8-bit RGB/RGBA, non-interlaced PNG."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, width = 8, b"", 0
+    height = channels = 0
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, chunk = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        if kind == b"IHDR":
+            width, height, depth, color, _, _, interlace = struct.unpack(">IIBBBBB", chunk)
+            assert depth == 8 and color in (2, 6) and interlace == 0
+            channels = 3 if color == 2 else 4
+        elif kind == b"IDAT":
+            idat += chunk
+        pos += 12 + length
+    raw = zlib.decompress(idat)
+    stride = width * channels
+    prev = bytearray(stride)
+    colours: set[tuple[int, int, int]] = set()
+    for y in range(height):
+        filt = raw[y * (stride + 1)]
+        line = bytearray(raw[y * (stride + 1) + 1 : (y + 1) * (stride + 1)])
+        for i in range(stride):
+            a = line[i - channels] if i >= channels else 0
+            b = prev[i]
+            c = prev[i - channels] if i >= channels else 0
+            if filt == 1:
+                line[i] = (line[i] + a) & 0xFF
+            elif filt == 2:
+                line[i] = (line[i] + b) & 0xFF
+            elif filt == 3:
+                line[i] = (line[i] + (a + b) // 2) & 0xFF
+            elif filt == 4:
+                p = a + b - c
+                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 0xFF
+        for x in range(0, stride, channels * 4):  # every 4th pixel is plenty
+            colours.add((line[x], line[x + 1], line[x + 2]))
+        prev = line
+    return width, height, colours
+
+
+async def pipeline(path: Path) -> None:
+    """copyin -> launch -> copyout of 4 batches over two CPU devices, double-buffered, profiled."""
+    devs = [Device["CPU:7"], Device["CPU:8"]]
+    progs = [await d.compile(SCALE, outs=(0,)) for d in devs]
+    bufs = [
+        [(await d.allocate(N, dtypes.float32), await d.allocate(N, dtypes.float32)) for _ in range(2)] for d in devs
+    ]
+    async with profile() as prof:
+        outs = []
+        with host_range("submit"):
+            for b in range(4):
+                d = b % 2
+                x, y = bufs[d][b // 2]
+                devs[d].copyin(x, array.array("f", [float(b)]) * N)
+                devs[d].launch(progs[d], y, x, vals=(N, 2.0))
+                outs.append(devs[d].copyout(y))
+        for op in outs:
+            await op
+    prof.save(path)
+
+
+def test_the_timeline_draws_a_real_trace(chromium: str, tmp_path: Path) -> None:
+    trace_path = tmp_path / "pipeline.json"
+    anyio.run(pipeline, trace_path)
+    tl = parse_trace(load_trace(trace_path))
+    assert len(tl.slices) == 13 and len(tl.arrows) == 8  # 12 device ranges + 1 host range; 2 waits per batch
+    page = write_html(trace_path)
+    assert page == tmp_path / "pipeline.html"
+
+    dom = run_chromium(chromium, tmp_path / "profile-a", "--dump-dom", page.as_uri())
+    title, state = page_state(dom)
+    assert title == "drawn:13"
+    assert state["ready"] == "1" and state["ranges"] == "13" and state["drawn"] == "13"
+    assert state["tracks"] == "5" and state["dependencies"] == "8" and state["arrows"] == "8"
+
+    shot = tmp_path / "timeline.png"
+    run_chromium(chromium, tmp_path / "profile-b", f"--screenshot={shot}", "--window-size=1400,800", page.as_uri())
+    width, height, colours = png_pixels(shot)
+    assert (width, height) == (1400, 800)
+    assert {(0x4E, 0x79, 0xA7), (0xF2, 0x8E, 0x2B), (0x59, 0xA1, 0x4F)} <= colours  # compute, copy and host drawn
+
+
+def big_trace(path: Path, count: int) -> Path:
+    rng = random.Random(3)
+    events: list[Event] = [DeviceEvent("CPU", 0.5, -0.25), DeviceEvent("CPU:1")]
+    ends: dict[tuple[str, bool], float] = {}
+    for op in range(1, count + 1):
+        device, is_copy = ("CPU", "CPU:1")[op % 2], op % 3 == 0
+        start = ends.get((device, is_copy), 0.0) + rng.uniform(0.2, 3.0)
+        ends[(device, is_copy)] = end = start + rng.uniform(0.5, 15.0)
+        name = f"copyin {1 << (op % 7 + 10)} B" if is_copy else f"kernel_{op % 13}"
+        events.append(RangeEvent(device, name, start, end, is_copy, op))
+        if op % 4 == 0:
+            events.append(DependencyEvent(op - 3, op))
+    return save_events(events, path)
+
+
+def test_a_100k_range_trace_loads_and_pans_without_freezing(
+    chromium: str, tmp_path: Path, record_property: pytest.RecordProperty
+) -> None:
+    count = 100_000
+    start = time.perf_counter()
+    page = write_html(big_trace(tmp_path / "big.json", count))
+    build_s = time.perf_counter() - start
+    start = time.perf_counter()
+    dom = run_chromium(chromium, tmp_path / "profile", "--dump-dom", page.as_uri() + "#selftest")
+    browser_s = time.perf_counter() - start
+    title, state = page_state(dom)
+    assert title == f"drawn:{count}"
+    assert state["ready"] == "1" and state["ranges"] == str(count) and state["first-drawn"] == str(count)
+    assert int(state["pan-frames"]) == 60 and state["hover-hit"]
+    load_ms, pan_max, pan_avg = float(state["load-ms"]), float(state["pan-ms-max"]), float(state["pan-ms-avg"])
+    report = (
+        f"100k ranges: trace+page built in {build_s:.2f} s; page parse+first draw {load_ms:.0f} ms "
+        f"({float(state['since-navigation-ms']):.0f} ms since navigation), redraw while panning avg {pan_avg:.1f} ms, "
+        f"max {pan_max:.1f} ms; whole headless browser run {browser_s:.1f} s"
+    )
+    print(report, file=sys.stderr)
+    record_property("viewer_100k", report)
+    assert load_ms < 5_000  # opens in seconds, not minutes
+    assert pan_max < 500  # no redraw freezes the page
