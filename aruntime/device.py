@@ -242,7 +242,7 @@ class BaseDevice:
                 raise TypeError(f"launch {prog.name}: scalar {i} must be int or float, got {type(val).__name__}")
         args = prog.args([b.handle for b in bufs], vals)
         body: list[Command] = [(EXEC, prog.name, prog, args)]
-        return self._submit(self.compute, prog.name, body, reads, writes, bufs)  # body holds prog
+        return self._submit(self.compute, prog.name, body, reads, writes, bufs)  # the EXEC command keeps prog alive
 
     # ---- completion ---------------------------------------------------------------------------------
 

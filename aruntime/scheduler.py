@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from aruntime.buffer import Buffer
-from aruntime.device import Program
+from aruntime.device import BaseDevice, Program
 from aruntime.engine import Engine, Op
 from aruntime.errors import DependencyError
 
@@ -31,7 +31,8 @@ class Scheduler:
     """An async context manager that submits ops with backpressure and collects their failures.
 
     ``window`` bounds the ops in flight: enqueueing beyond it waits until the
-    oldest op is done. Every enqueue returns the op's awaitable handle (for a
+    oldest op is done; tasks that wait are admitted in the order they came.
+    Every enqueue returns the op's awaitable handle (for a
     copy-out, awaiting it gives the data). Leaving the context waits for all
     work and raises the first failure nobody awaited. If the scope is cancelled,
     ops not yet submitted are dropped and those already running are waited for
@@ -45,6 +46,7 @@ class Scheduler:
         self.drain_timeout = drain_timeout
         self._inflight: deque[Op] = deque()
         self._queued: deque[anyio.Event] = deque()  # tasks waiting for room in the window, first come first served
+        self._devices: dict[str, BaseDevice] = {}  # buffer.device -> device, without the registry's lookup each time
         self._failed: list[Op] = []
         self._open = False
 
@@ -152,6 +154,12 @@ class Scheduler:
             if head and queued:
                 queued[0].set()
 
+    def _owner(self, buf: Buffer) -> BaseDevice:
+        dev = self._devices.get(buf.device)
+        if dev is None:
+            dev = self._devices[buf.device] = buf.owner
+        return dev
+
     def _track(self, op: Op) -> Op:
         self._inflight.append(op)
         return op
@@ -160,19 +168,19 @@ class Scheduler:
         """Enqueue a copy of host ``data`` into ``buf`` (waits while the window is full)."""
         if not self._has_room():
             await self._admit()
-        return self._track(buf.owner.copyin(buf, data))
+        return self._track(self._owner(buf).copyin(buf, data))
 
     async def copyout(self, buf: Buffer, into: Any = None) -> Op:
         """Enqueue a copy of ``buf`` to the host; awaiting the handle gives the data."""
         if not self._has_room():
             await self._admit()
-        return self._track(buf.owner.copyout(buf, into))
+        return self._track(self._owner(buf).copyout(buf, into))
 
     async def transfer(self, dst: Buffer, src: Buffer) -> Op:
         """Enqueue a device-to-device copy on the source's copy queue."""
         if not self._has_room():
             await self._admit()
-        return self._track(src.owner.transfer(dst, src))
+        return self._track(self._owner(src).transfer(dst, src))
 
     async def launch(
         self, prog: Program, *bufs: Buffer, vals: Sequence[int | float] = (), outs: Sequence[int] | None = None

@@ -61,7 +61,7 @@ from benchmarks.peers import setup_tinygrad
 
 PASSES = 0
 """Multiply-add passes of the pipeline kernel. The pipeline benchmark calibrates them so the kernel takes as long as
-one copy-in; on the machines measured so far its calibration lands on 0 (the kernel's memory traffic alone already
+one copy-in; on the machine measured its calibration mostly lands on 0 (the kernel's memory traffic alone already
 takes longer than the copy), so the side-by-side fixes 0 rather than let noise change the work between runs."""
 
 _PIPELINE_BODY = r"""
@@ -112,7 +112,10 @@ DEVICES = ("CPU", "CPU:1")
 SLOTS = 2
 """Device buffers per device that the pipeline batches rotate through (double buffering), as in bench_scheduler."""
 SOURCES = 3
-"""Distinct host inputs the batches cycle through (batch ``i`` reads one filled with ``i % 3 + 1``)."""
+"""Distinct host inputs the batches cycle through (batch ``i`` of a timed pass reads one filled with ``i % 3 + 1``)."""
+CHECK_BASE = 10.0
+"""The checked pass reads inputs filled with ``CHECK_BASE + i % 3 + 1`` instead, values no timed pass wrote: an
+output left over from a timed pass, or a kernel that never ran, fails the check."""
 
 
 @dataclass(frozen=True)
@@ -220,15 +223,16 @@ async def measure_pipeline(case: Case, repeats: int) -> dict[str, Any]:
     xs = [[await d.allocate(n, dtypes.float32) for _ in range(SLOTS)] for d in devs]
     ys = [[await d.allocate(n, dtypes.float32) for _ in range(SLOTS)] for d in devs]
     srcs = [array.array("f", [float(k + 1)]) * n for k in range(SOURCES)]
+    check_srcs = [array.array("f", [CHECK_BASE + k + 1]) * n for k in range(SOURCES)]
     dsts = [bytearray(nbytes) for _ in range(SLOTS * ndev)]
-    expected = [pipeline_expected(float(k + 1)) for k in range(SOURCES)]
+    expected = [pipeline_expected(CHECK_BASE + k + 1) for k in range(SOURCES)]
 
-    async def pipelined() -> None:
+    async def pipelined(sources: Sequence[array.array[float]] = srcs) -> None:
         async with Scheduler(window=3 * SLOTS * ndev) as sched:
             for i in range(batches):
                 d, s = i % ndev, (i // ndev) % SLOTS
                 x, y = xs[d][s], ys[d][s]
-                await sched.copyin(x, srcs[i % SOURCES])
+                await sched.copyin(x, sources[i % SOURCES])
                 await sched.launch(progs[d], y, x)
                 await sched.copyout(y, dsts[i % len(dsts)])
 
@@ -262,9 +266,7 @@ async def measure_pipeline(case: Case, repeats: int) -> dict[str, Any]:
     for _ in range(repeats):
         ours_s.append(await timed(pipelined))
         base_s.append(await timed(threaded))
-    for d in dsts:
-        d[:] = bytes(nbytes)
-    await pipelined()
+    await pipelined(check_srcs)
     verified = _verify(dsts, batches, expected)
     kernel_us = host.median_us(ctypes.addressof(lane_y[0]), ctypes.addressof(lane_x[0]))
     for dev, xb, yb in zip(devs, xs, ys, strict=True):
@@ -522,6 +524,7 @@ async def side_by_side(quick: bool, with_tinygrad: bool = True) -> list[Result]:
                     "batches": case.batches,
                     "source": got["source"],
                     "expected": got["expected"],
+                    "check_base": CHECK_BASE,
                 }
             )
         m.serving.append(await measure_serving(plan.serving_tasks, plan.serving_elements, plan.repeats))

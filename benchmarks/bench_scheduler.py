@@ -1,17 +1,20 @@
 """Scheduler benchmarks: a copy/compute pipeline, a serving burst, and graph replay against eager submission.
 
 * ``scheduler_pipeline``: batches of copy-in -> kernel -> copy-out over two CPU
-  devices, the kernel calibrated in the same run to take as long as one copy of
-  the batch. Through a :class:`Scheduler` against the same ops awaited one by
-  one, and against the ideal makespan: the larger of (every op's time / cores)
-  and (the busiest queue's time), op times being the engine-side times of the
-  one-by-one pass.
+  devices, the kernel calibrated in the same run so that it runs as long as one
+  copy of the batch. Submitted through a :class:`Scheduler`, against the same
+  ops awaited one by one, and against the ideal makespan: the larger of (the
+  sum of every op's time / cores) and (the busiest queue's sum), each op's time
+  being how long it took, submitted and awaited, in the one-by-one pass of the
+  same repeat.
 * ``scheduler_serving``: 1000 concurrent tasks, each copying its request in,
-  launching a small kernel and awaiting the copied-out result, against the same
-  memmoves and compiled C function called with ``anyio.to_thread.run_sync``.
+  launching a small kernel and awaiting the copied-out result (directly on the
+  device, and through one shared :class:`Scheduler`), against the same memmoves
+  and compiled C function called with ``anyio.to_thread.run_sync`` from 1000
+  tasks.
 * ``scheduler_graph_replay``: a 30-op sequence (10 x copy-in, launch, copy-out on
-  tiny buffers) submitted eagerly through the device methods and awaited, against
-  one replay of the same sequence captured as a :class:`Graph`; per op, on the
+  tiny buffers) submitted through the device methods and awaited, against a
+  replay of the same sequence captured as a :class:`Graph`; cost per op, on the
   CPU device and on the NULL device (pure runtime overhead).
 """
 
@@ -34,7 +37,7 @@ from aruntime.device import BaseDevice
 from aruntime.events import RangeEvent, recorder
 from aruntime.graph import Graph
 from aruntime.scheduler import Scheduler
-from benchmarks.common import Result, interleaved, result, settings, timed
+from benchmarks.common import Result, result, settings, timed
 
 # ---- shared helpers -------------------------------------------------------------------------------------------------
 
@@ -147,6 +150,8 @@ BATCH_BYTES = 2 << 20
 share, so two of them at once take about as long as one after the other."""
 SLOTS = 2
 """Device buffers per device that the batches rotate through (double buffering)."""
+WINDOW = 12
+"""The pipeline scheduler's window: two batches (6 ops) per device in flight."""
 
 
 async def _calibrate(dev: BaseDevice, prog: Program, x: Buffer, y: Buffer, src: Any, repeats: int) -> tuple[int, float]:
@@ -185,18 +190,17 @@ async def scheduler_pipeline() -> list[Result]:
     work, copy_s = await _calibrate(devs[0], progs[0], xs[0][0], ys[0][0], srcs[0], 3 if quick else 15)
     kernel_s = await _exec_seconds(devs[0], lambda: devs[0].launch(progs[0], ys[0][0], xs[0][0], vals=(n, work)), 5)
 
-    def ops() -> list[tuple[BaseDevice, bool, Callable[[], Op]]]:
-        """Every op of the run in program order: its device, whether it is a copy, and how to submit it."""
-        found: list[tuple[BaseDevice, bool, Callable[[], Op]]] = []
-        for b in range(batches):
-            d, s = b % len(devs), (b // len(devs)) % SLOTS
-            dev, prog, x, y, src, dst = devs[d], progs[d], xs[d][s], ys[d][s], srcs[d], dsts[d][s]
-            found.append((dev, True, functools.partial(dev.copyin, x, src)))
-            found.append((dev, False, functools.partial(dev.launch, prog, y, x, vals=(n, work))))
-            found.append((dev, True, functools.partial(dev.copyout, y, dst)))
-        return found
+    def where(b: int) -> tuple[int, int]:
+        """The device and the buffer slot of batch ``b``: batches alternate between the devices."""
+        return b % len(devs), (b // len(devs)) % SLOTS
 
-    plan = ops()
+    plan: list[tuple[BaseDevice, bool, Callable[[], Op]]] = []  # each op: its device, whether it copies, its submit
+    for b in range(batches):
+        d, s = where(b)
+        dev, x, y = devs[d], xs[d][s], ys[d][s]
+        plan.append((dev, True, functools.partial(dev.copyin, x, srcs[d])))
+        plan.append((dev, False, functools.partial(dev.launch, progs[d], y, x, vals=(n, work))))
+        plan.append((dev, True, functools.partial(dev.copyout, y, dsts[d][s])))
     op_s = [0.0] * len(plan)
 
     async def one_by_one() -> None:
@@ -207,21 +211,31 @@ async def scheduler_pipeline() -> list[Result]:
             op_s[i] = clock() - start
 
     async def pipelined() -> None:
-        async with Scheduler(window=3 * SLOTS * len(devs)) as sched:
-            for b in range(batches):
-                d, s = b % len(devs), (b // len(devs)) % SLOTS
-                x, y = xs[d][s], ys[d][s]
-                await sched.copyin(x, srcs[d])
-                await sched.launch(progs[d], y, x, vals=(n, work))
-                await sched.copyout(y, dsts[d][s])
+        # Double-buffered order: a device's next batch is copied in and launched before its previous batch is
+        # copied out, so that copy-out (which waits for the previous kernel) does not hold the next copy-in back.
+        lag = len(devs)
+        async with Scheduler(window=WINDOW) as sched:
+            for b in range(batches + lag):
+                if b < batches:
+                    d, s = where(b)
+                    await sched.copyin(xs[d][s], srcs[d])
+                    await sched.launch(progs[d], ys[d][s], xs[d][s], vals=(n, work))
+                if b >= lag:
+                    d, s = where(b - lag)
+                    await sched.copyout(ys[d][s], dsts[d][s])
 
     cores = _cores()
     ceiling = await _parallel_ceiling(devs[0])
     seq_s: list[float] = []
     pipe_s: list[float] = []
     ideal_s: list[float] = []
-    await one_by_one()  # warm-up
-    await pipelined()
+    for run in (one_by_one, pipelined):  # warm-up that checks the results
+        for slots in dsts:
+            for dst in slots:
+                dst[:] = bytes(nbytes)
+        await run()
+        expected = [_expected(src[:2], work) for src in srcs]
+        assert all(dst[:8] == expected[d] for d, slots in enumerate(dsts) for dst in slots), "wrong result"
     for _ in range(repeats):
         seq_s.append(await timed(one_by_one))
         pipe_s.append(await timed(pipelined))
@@ -229,7 +243,6 @@ async def scheduler_pipeline() -> list[Result]:
         for (dev, is_copy, _), took in zip(plan, op_s, strict=True):
             queues[dev.name, is_copy] = queues.get((dev.name, is_copy), 0.0) + took
         ideal_s.append(max(sum(op_s) / cores, max(queues.values())))
-    assert bytes(dsts[0][0][:8]) == _expected(srcs[0][:2], work), "wrong result"
     speedup = statistics.median(seq / pipe for seq, pipe in zip(seq_s, pipe_s, strict=True))
     vs_ideal = statistics.median(pipe / ideal for pipe, ideal in zip(pipe_s, ideal_s, strict=True))
     pipe_ms = statistics.median(pipe_s) * 1e3
@@ -364,8 +377,11 @@ async def scheduler_serving() -> list[Result]:
         "scheduler": scheduled_burst,
         "to_thread": lambda: _burst(TASKS, threaded),
     }
-    for run in variants.values():  # warm-up: threads started, code paths hot
+    for key, run in variants.items():  # warm-up (threads started, code paths hot) that checks every result
+        for out in outs:
+            out[:] = bytes(nbytes)
         await run()
+        assert all(set(array.array("f", out)) == {2.0 * i} for i, out in enumerate(outs)), f"{key}: wrong result"
     seconds: dict[str, list[float]] = {k: [] for k in variants}
     latencies: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(repeats):
@@ -373,7 +389,6 @@ async def scheduler_serving() -> list[Result]:
             took, lat = await run()
             seconds[key].append(took)
             latencies[key].extend(lat)
-    assert set(array.array("f", bytes(outs[-1]))) == {2.0 * (TASKS - 1)}, "wrong result"
 
     def rps(key: str) -> float:
         return TASKS / statistics.median(seconds[key])
@@ -455,10 +470,19 @@ async def _replay_vs_eager(dev: BaseDevice, iterations: int, repeats: int) -> tu
                 for op in outs:
                     await op
 
-    replay_s, eager_s = await interleaved(replay, eager, repeats)
-    sched_s, _ = await interleaved(scheduled, eager, 1 if settings.quick else max(1, repeats // 2))
-    per_op = 1e6 / (iterations * CHAIN * 3)
-    return replay_s * per_op, eager_s * per_op, sched_s * per_op
+    for run in (replay, eager, scheduled):  # warm-up that checks the results (the NULL device copies nothing)
+        for dst in dsts:
+            dst[:] = bytes(TINY * 4)
+        await run()
+        if dev.kind != "NULL":
+            assert all(set(array.array("f", dst)) == {2.0 * k} for k, dst in enumerate(dsts)), "wrong result"
+    seconds: dict[str, list[float]] = {"replay": [], "eager": [], "scheduled": []}
+    for _ in range(repeats):
+        seconds["replay"].append(await timed(replay))
+        seconds["eager"].append(await timed(eager))
+        seconds["scheduled"].append(await timed(scheduled))
+    replay_us, eager_us, sched_us = (statistics.median(v) * 1e6 / (iterations * CHAIN * 3) for v in seconds.values())
+    return replay_us, eager_us, sched_us
 
 
 async def scheduler_graph_replay() -> list[Result]:

@@ -254,3 +254,14 @@ def test_profile_env_writes_nothing_for_a_process_that_did_nothing(tmp_path: Pat
     proc = run_script("import aruntime\n", {"PROFILE": "1", "PROFILE_PATH": str(target)}, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert not target.exists() and "aruntime profile" not in proc.stderr
+
+
+async def test_a_region_without_sync_neither_waits_nor_aligns_clocks() -> None:
+    dev = Device["NULL"]
+    prog = await dev.compile("")
+    async with profile(sync=False) as prof:
+        op = dev.launch(prog)
+        await op
+    assert [r.op for r in ranges(prof.events)] == [op.id]
+    assert not [e for e in prof.events if isinstance(e, DeviceEvent)]
+    assert not recorder.enabled

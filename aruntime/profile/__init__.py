@@ -89,7 +89,10 @@ class host_range:
         @host_range()
         async def step(): ...
 
-    The range is recorded even when the block raises.
+    The range is recorded even when the block raises. A decorated function
+    times each call separately, also when calls run concurrently; one
+    ``host_range`` object used with ``with`` may nest within one task, but
+    concurrent tasks should each create their own.
     """
 
     __slots__ = ("_starts", "name")
@@ -241,7 +244,8 @@ class Profile:
             if self.sync:
                 for dev in _opened_devices():
                     _drain(dev, self.timeout)
-            device_events = _finalize(self._devices_to_finalize())
+                # the clock samples also run after any completion callbacks (e.g. graph events) of that work
+                device_events = _finalize(self._devices_to_finalize())
         except Exception:
             if exc is None:  # don't let a finishing error hide the region's own exception
                 raise
@@ -262,8 +266,8 @@ class Profile:
             if self.sync:
                 for dev in _opened_devices():
                     await _drain_async(dev)
-            devices = self._devices_to_finalize()
-            device_events = await anyio.to_thread.run_sync(_finalize, devices)
+                devices = self._devices_to_finalize()
+                device_events = await anyio.to_thread.run_sync(_finalize, devices)
         except Exception:
             if exc is None:
                 raise
@@ -294,7 +298,8 @@ def profile(sync: bool = True, timeout: float | None = None) -> Profile:
     and run inside counts). On leaving it (with ``sync``, the default) it waits
     until every opened device has run the work submitted so far, so that
     work's ranges are in :attr:`Profile.events`, then asks each device that ran
-    something for its clock offsets. The ``async with`` form waits without
+    something for its clock offsets (``sync=False`` neither waits nor aligns
+    clocks: offsets are taken as zero). The ``async with`` form waits without
     blocking the event loop; the plain ``with`` form blocks the calling thread
     (``timeout`` bounds each wait). Waiting never takes a device's failed ops:
     ``synchronize`` still raises them. If the block raises, the region still

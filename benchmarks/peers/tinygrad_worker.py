@@ -34,7 +34,7 @@ import traceback
 from typing import Any
 
 SOURCES = 3
-"""Distinct host inputs the batches cycle through: batch ``i`` reads one filled with ``i % 3 + 1``."""
+"""Distinct host inputs the batches cycle through: batch ``i`` reads one filled with ``base + i % 3 + 1``."""
 
 
 def _filled(value: float, n: int) -> memoryview:
@@ -54,7 +54,9 @@ def _check(dsts: list[memoryview], batches: int, expected: list[float]) -> bool:
     return True
 
 
-def run_pipeline(devs: list[Any], progs: list[Any], n: int, batches: int, slots: int, dsts: list[memoryview]) -> float:
+def run_pipeline(
+    devs: list[Any], progs: list[Any], n: int, batches: int, slots: int, dsts: list[memoryview], base: float = 0.0
+) -> float:
     """``batches`` rounds of copyin -> kernel -> copyout, alternating devices; returns the seconds taken.
 
     Per device: one input buffer (a copy-in synchronizes the device anyway, so
@@ -64,7 +66,7 @@ def run_pipeline(devs: list[Any], progs: list[Any], n: int, batches: int, slots:
     thread copies: the most overlap these synchronous calls allow.
     """
     nbytes = n * 4
-    srcs = [_filled(float(k + 1), n) for k in range(SOURCES)]
+    srcs = [_filled(base + k + 1, n) for k in range(SOURCES)]
     xs = [d.allocator.alloc(nbytes) for d in devs]
     ys = [[d.allocator.alloc(nbytes) for _ in range(slots)] for d in devs]
     ndev = len(devs)
@@ -206,9 +208,7 @@ def main() -> int:
             dsts = [memoryview(bytearray(n * 4)) for _ in range(spec["slots"] * len(devs))]
             run_pipeline(devs, progs, n, batches, spec["slots"], dsts)  # warm-up
             seconds = [run_pipeline(devs, progs, n, batches, spec["slots"], dsts) for _ in range(spec["repeats"])]
-            for dst in dsts:
-                dst.cast("B")[:] = bytes(n * 4)
-            run_pipeline(devs, progs, n, batches, spec["slots"], dsts)
+            run_pipeline(devs, progs, n, batches, spec["slots"], dsts, case["check_base"])  # checked: new inputs
             pipeline.append(
                 {
                     "label": case["label"],
