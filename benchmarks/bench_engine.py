@@ -18,6 +18,7 @@ Every figure is compared with a baseline measured in the same run:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import json
 import os
@@ -28,7 +29,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -123,8 +124,35 @@ class BareWorker:
 # ---- 1. round trip -------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _threads_on_one_cpu() -> Iterator[None]:
+    """Pin every thread of this process to one CPU for the duration (Linux; elsewhere nothing is pinned).
+
+    A wake-up across CPUs costs far more than one on the same CPU (on a VM, an
+    inter-processor interrupt), and the scheduler places each worker thread on
+    its own; pinned, both sides of a comparison get the same placement.
+    """
+    tasks = Path("/proc/self/task")
+    if not hasattr(os, "sched_setaffinity") or not tasks.is_dir():
+        yield
+        return
+    allowed = os.sched_getaffinity(0)
+    for tid in tasks.iterdir():
+        with contextlib.suppress(OSError):  # a thread may end meanwhile
+            os.sched_setaffinity(int(tid.name), {min(allowed)})
+    try:
+        yield
+    finally:
+        for tid in tasks.iterdir():
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(tid.name), allowed)
+
+
 async def roundtrip() -> list[Result]:
-    """Awaited launch of an empty CPU kernel against a bare worker thread waking a future on the same loop."""
+    """Awaited launch of an empty CPU kernel against a bare worker thread waking a future on the same loop.
+
+    All threads run on one CPU meanwhile (see :func:`_threads_on_one_cpu`).
+    """
     n, repeats = (50, 3) if settings.quick else (400, 9)
     dev = Device["CPU"]
     prog = await dev.compile(EMPTY_KERNEL)
@@ -139,7 +167,8 @@ async def roundtrip() -> list[Result]:
             await worker.submit()
 
     try:
-        ours_s, base_s = await interleaved(ours, base, repeats)
+        with _threads_on_one_cpu():
+            ours_s, base_s = await interleaved(ours, base, repeats)
     finally:
         worker.close()
     value, baseline = ours_s / n * 1e6, base_s / n * 1e6
