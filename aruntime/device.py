@@ -67,6 +67,8 @@ class BaseDevice:
         self.allocator = self.allocator_type(name)
         self.compiler = None if self.compiler_type is None else self.compiler_type()
         timeout = float(getenv("WAIT_TIMEOUT", 30.0))
+        self.inline_copy_max: int = getenv("INLINE_COPY_MAX", 64 << 10)
+        """Copies up to this many bytes that depend on a running kernel go on the compute queue (0: never)."""
         self.compute: Engine = self._make_engine("compute", timeout)
         self.copy: Engine = self._make_engine("copy", timeout)
 
@@ -149,6 +151,15 @@ class BaseDevice:
             body = cq.cmds + body
         return engine.push(body, op)
 
+    def _copy_engine(self, buf: Buffer, write: bool) -> Engine:
+        """The copy queue, except for a small copy that must wait for a kernel anyway: it runs on the
+        compute queue right after that kernel, which saves a cross-queue hand-off per op."""
+        if buf.nbytes <= self.inline_copy_max and buf.log.conflicts_on(
+            self.compute, buf.offset, buf.offset + buf.nbytes, write
+        ):
+            return self.compute
+        return self.copy
+
     def copyin(self, buf: Buffer, data: Any) -> Op:
         """Copy ``data`` (any C-contiguous buffer-protocol object of ``buf.nbytes`` bytes) into ``buf``.
 
@@ -160,7 +171,7 @@ class BaseDevice:
             src.release()
             raise BufferUsageError(f"copyin: source has {src.nbytes} bytes, {buf!r} has {buf.nbytes}")
         body: list[Command] = [(COPY, f"copyin {buf.nbytes} B", self.copy_fn, buf.handle, src.address, buf.nbytes)]
-        return self._submit(self.copy, body[0][1], body, (), (buf,), (src, buf))
+        return self._submit(self._copy_engine(buf, True), body[0][1], body, (), (buf,), (src, buf))
 
     def copyout(self, buf: Buffer, into: Any = None) -> Op:
         """Copy ``buf`` out; the op's result is ``into`` (a writable buffer) or a new bytearray."""
@@ -172,7 +183,7 @@ class BaseDevice:
             raise BufferUsageError(f"copyout: destination has {pin.nbytes} bytes, {buf!r} has {buf.nbytes}")
         name = f"copyout {buf.nbytes} B"
         body: list[Command] = [(COPY, name, self.copy_fn, pin.address, buf.handle, buf.nbytes)]
-        return self._submit(self.copy, name, body, (buf,), (), (pin, buf), dest)
+        return self._submit(self._copy_engine(buf, False), name, body, (buf,), (), (pin, buf), dest)
 
     def transfer(self, dst: Buffer, src: Buffer) -> Op:
         """Copy ``src`` (on this device) to ``dst`` (on any host-mapped device) on this device's copy engine.

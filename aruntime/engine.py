@@ -174,7 +174,8 @@ class Engine:
         """Stop accepting work once everything submitted has run."""
 
 
-def _check_deps(op: Op) -> None:
+def check_deps(op: Op) -> None:
+    """Raise :class:`DependencyError` if an op that ``op`` depends on failed (engines call it before running)."""
     for dep in op.deps:
         error = dep.error
         if error is not None:
@@ -219,7 +220,8 @@ class ThreadEngine(Engine):
     def _execute(self, op: Op) -> None:
         assert op.cmds is not None
         checked = not op.deps
-        for cmd in op.cmds:
+        cmds = op.cmds
+        for i, cmd in enumerate(cmds):
             kind = cmd[0]
             if kind < EXEC:
                 if kind == WAIT:
@@ -229,20 +231,31 @@ class ThreadEngine(Engine):
                 else:
                     cmd[1].append(now_us())
                 continue
-            if not checked:
-                _check_deps(op)
-                checked = True
-            recording = recorder.enabled
-            start = now_us() if recording else 0.0
-            if kind == EXEC:
-                cmd[2](*cmd[3])
-            else:
-                _, _, fn, dst, src, nbytes = cmd
-                step = self.chunk
-                for off in range(0, nbytes, step):
-                    fn(dst + off, src + off, min(step, nbytes - off))
-            if recording:
-                recorder.events.append(RangeEvent(self.device, cmd[1], start, now_us(), self.is_copy, op.id))
+            try:
+                if not checked:
+                    check_deps(op)
+                    checked = True
+                self._run_command(cmd, op)
+            except BaseException:
+                # the rest of this queue is skipped, but its signals are still set: engines waiting on them
+                # (e.g. other queues of a graph replay) go on, and dependency checks fail their ops instead
+                for rest in cmds[i + 1 :]:
+                    if rest[0] == SIGNAL:
+                        rest[1].set(rest[2])
+                raise
+
+    def _run_command(self, cmd: Command, op: Op) -> None:
+        recording = recorder.enabled
+        start = now_us() if recording else 0.0
+        if cmd[0] == EXEC:
+            cmd[2](*cmd[3])
+        else:
+            _, _, fn, dst, src, nbytes = cmd
+            step = self.chunk
+            for off in range(0, nbytes, step):
+                fn(dst + off, src + off, min(step, nbytes - off))
+        if recording:
+            recorder.events.append(RangeEvent(self.device, cmd[1], start, now_us(), self.is_copy, op.id))
 
 
 memmove: CopyFn = ctypes.memmove

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 def now_us() -> float:
@@ -21,9 +22,11 @@ class DeviceEvent:
     copy_offset: float = 0.0
 
 
-@dataclass(frozen=True)
-class RangeEvent:
-    """One timed command: ``start``/``end`` in host µs; ``op`` identifies it for dependency arrows."""
+class RangeEvent(NamedTuple):
+    """One timed command: ``start``/``end`` in host µs; ``op`` identifies it for dependency arrows.
+
+    A named tuple rather than a dataclass: engines create one per command while profiling.
+    """
 
     device: str
     name: str
@@ -42,8 +45,7 @@ class HostRangeEvent:
     end: float
 
 
-@dataclass(frozen=True)
-class DependencyEvent:
+class DependencyEvent(NamedTuple):
     """Op ``dst`` waited for op ``src`` on another queue (a hazard the runtime resolved)."""
 
     src: int

@@ -38,6 +38,13 @@ class AccessLog:
         live.append((start, end, write, op))
         self.entries = live
 
+    def conflicts_on(self, engine: Engine, start: int, end: int, write: bool) -> bool:
+        """Whether an access to [start, end) would have to wait for an in-flight op of ``engine``."""
+        return any(
+            other.engine is engine and (write or w) and s < end and start < e and not other.done()
+            for s, e, w, other in self.entries
+        )
+
     def pending(self) -> list[Op]:
         """The ops still in flight on this buffer."""
         self.entries = [e for e in self.entries if not e[3].done()]

@@ -281,7 +281,7 @@ async def test_cross_queue_wait_times_out_naming_device_queue_and_values() -> No
     dev = Device["CPU:3"]
     gate = await dev.compile(GATE, outs=(0,))
     flag = await dev.allocate(1, dtypes.int32)
-    out = await dev.allocate(1, dtypes.int32)
+    out = await dev.allocate(1 << 15, dtypes.int32)  # too big to ride on the compute queue
     await dev.copyin(flag, array.array("i", [0]))
     with pytest.raises(ValueError, match="positive number of seconds"):
         dev.timeout = 0
@@ -299,3 +299,20 @@ async def test_cross_queue_wait_times_out_naming_device_queue_and_values() -> No
         dev.timeout = 30
     assert isinstance(reader.error, OpError) and isinstance(reader.error.__cause__, SignalTimeout)
     assert array.array("i", bytes(await dev.copyout(out)))[0] == 1
+
+
+async def test_small_copy_after_a_kernel_rides_on_the_compute_queue() -> None:
+    dev = Device["CPU:1"]
+    prog = await dev.compile(ADD_ONE)
+    small = await dev.allocate(1024)
+    large = await dev.allocate(dev.inline_copy_max + 1)
+    await dev.copyin(small, bytes(1024))
+    await dev.copyin(large, bytes(large.nbytes))
+    assert dev.copyout(small).engine is dev.copy  # nothing to wait for: the copy queue
+    dev.launch(prog, small, vals=(1024,))
+    dev.launch(prog, large, vals=(large.nbytes,))
+    small_out, large_out = dev.copyout(small), dev.copyout(large)
+    assert small_out.engine is dev.compute and large_out.engine is dev.copy
+    assert bytes(await small_out) == b"\x01" * 1024 and bytes(await large_out) == b"\x01" * large.nbytes
+    await dev.free(small)
+    await dev.free(large)

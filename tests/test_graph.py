@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import array
 
+import anyio
 import pytest
 
-from aruntime import BufferUsageError, Device, dtypes
+from aruntime import BufferUsageError, Device, OpError, Program, dtypes
 from aruntime.events import GraphEvent, recorder
 from aruntime.graph import Graph, Param
 from aruntime.scheduler import Scheduler
@@ -144,3 +145,26 @@ async def test_replay_runs_independent_entries_of_an_engine_before_waiting_ones(
     copyins, copyouts = event.starts[0::3], event.starts[2::3]
     assert max(copyins) < min(copyouts)  # the copy queue does not hold copy-in 1 behind copy-out 0
     assert event.deps == ((), (0,), (1,), (), (3,), (4,), (), (6,), (7,))
+
+
+class _Failing(Program):
+    def __call__(self, *args: object) -> None:
+        raise ArithmeticError("kernel blew up")
+
+
+async def test_failing_entry_fails_the_replay_without_stalling_other_queues() -> None:
+    dev = Device["CPU:2"]
+    prog = await dev.compile(SCALE, outs=(0,))
+    x, y = await dev.allocate(N, dtypes.float32), await dev.allocate(N, dtypes.float32)
+    graph = Graph()
+    graph.copyin(x, "x")
+    graph.launch(_Failing(dev, "broken", b""), y, x, outs=(0,))
+    graph.copyout(y, "y")  # waits on the copy queue for the failed kernel's progress signal
+    with anyio.fail_after(10), pytest.raises(OpError, match="kernel blew up"):
+        await graph.replay(x=floats(1))
+    good = Graph()
+    good.copyin(x, "x")
+    good.launch(prog, y, x, vals=(N, 2.0))
+    good.copyout(y, "y")
+    assert values((await good.replay(x=floats(3)))["y"]) == {6.0}
+    await dev.synchronize()
