@@ -15,10 +15,11 @@ import ctypes
 import queue
 import threading
 from collections.abc import Callable, Generator, Sequence
+from time import perf_counter_ns
 from typing import Any
 
 from aruntime.errors import DependencyError, OpError
-from aruntime.events import RangeEvent, now_us, op_ids, recorder
+from aruntime.events import now_us, op_ids, recorder
 from aruntime.signal import TimelineSignal
 
 WAIT, SIGNAL, TIMESTAMP, EXEC, COPY = range(5)  # the engine relies on this order: control commands first
@@ -130,6 +131,7 @@ class Engine:
         self.kind = kind
         self.is_copy = kind == "copy"
         self.signal = TimelineSignal(f"{device} {kind} queue", timeout)
+        self.ranges = recorder.range_log(device, self.is_copy)
         self.last = 0
         self.failed: list[Op] = []
         self._lock = threading.Lock()
@@ -246,7 +248,7 @@ class ThreadEngine(Engine):
 
     def _run_command(self, cmd: Command, op: Op) -> None:
         recording = recorder.enabled
-        start = now_us() if recording else 0.0
+        start = perf_counter_ns() if recording else 0
         if cmd[0] == EXEC:
             cmd[2](*cmd[3])
         else:
@@ -254,8 +256,12 @@ class ThreadEngine(Engine):
             step = self.chunk
             for off in range(0, nbytes, step):
                 fn(dst + off, src + off, min(step, nbytes - off))
-        if recording:
-            recorder.events.append(RangeEvent(self.device, cmd[1], start, now_us(), self.is_copy, op.id))
+        if recording:  # RangeLog.add, inlined: this runs once per command
+            ranges = self.ranges
+            ranges.ends.append(perf_counter_ns())
+            ranges.starts.append(start)
+            ranges.names.append(cmd[1])
+            ranges.ops.append(op.id)
 
 
 memmove: CopyFn = ctypes.memmove

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import time
-from dataclasses import dataclass, field
+from array import array
+from dataclasses import dataclass
 from typing import NamedTuple
 
 
@@ -74,12 +76,63 @@ class GraphEvent:
 Event = DeviceEvent | RangeEvent | HostRangeEvent | DependencyEvent | GraphEvent
 
 
-@dataclass
-class Recorder:
-    """Where engines append events while ``enabled`` (list appends are thread-safe)."""
+class RangeLog:
+    """One engine's recorded ranges, kept in columns so that recording allocates no object per command."""
 
-    enabled: bool = False
-    events: list[Event] = field(default_factory=list)
+    __slots__ = ("device", "ends", "is_copy", "names", "ops", "starts")
+
+    def __init__(self, device: str, is_copy: bool) -> None:
+        self.device = device
+        self.is_copy = is_copy
+        self.names: list[str] = []
+        self.starts = array("q")
+        self.ends = array("q")
+        self.ops = array("q")
+
+    def add(self, name: str, start_ns: int, end_ns: int, op: int) -> None:
+        """Record one command (the engine's thread only); times from ``time.perf_counter_ns``."""
+        self.ends.append(end_ns)
+        self.starts.append(start_ns)
+        self.names.append(name)
+        self.ops.append(op)
+
+    def drain(self) -> list[RangeEvent]:
+        """Take the ranges recorded so far as events (safe while the engine keeps recording)."""
+        n = len(self.ops)  # the column the engine fills last
+        names, starts, ends, ops = self.names[:n], self.starts[:n], self.ends[:n], self.ops[:n]
+        del self.names[:n], self.starts[:n], self.ends[:n], self.ops[:n]
+        device, is_copy = self.device, self.is_copy
+        return [
+            RangeEvent(device, name, start / 1000.0, end / 1000.0, is_copy, op)
+            for name, start, end, op in zip(names, starts, ends, ops, strict=True)
+        ]
+
+
+class Recorder:
+    """Where events go while ``enabled``: engines record ranges in their :class:`RangeLog`, everything
+    else appends to :attr:`events` (list appends are thread-safe)."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self._events: list[Event] = []
+        self._logs: list[RangeLog] = []
+        self._lock = threading.Lock()
+
+    def range_log(self, device: str, is_copy: bool) -> RangeLog:
+        """A new range log for one engine, drained into :attr:`events` when they are read."""
+        log = RangeLog(device, is_copy)
+        with self._lock:
+            self._logs.append(log)
+        return log
+
+    @property
+    def events(self) -> list[Event]:
+        """Every event recorded so far; the engines' ranges join it, in start order, as it is read."""
+        with self._lock:
+            drained = [event for log in self._logs if log.ops for event in log.drain()]
+            drained.sort(key=lambda event: event.start)
+            self._events.extend(drained)
+            return self._events
 
 
 recorder = Recorder()
