@@ -34,6 +34,7 @@ class BufferSpec:
 
 
 DEFAULT_SPEC = BufferSpec()
+"""The spec of a buffer that asks for nothing special."""
 
 
 class Allocator(Generic[H]):

@@ -48,6 +48,7 @@ class Buffer:
         self.spec = spec or DEFAULT_SPEC
         self._handle: Any = None
         self._freed = False
+        self._owner: BaseDevice | None = None
         self._generation = 0  # a root counts its allocations; a view records the one its handle came from
         if base is None:
             if offset != 0:
@@ -83,10 +84,13 @@ class Buffer:
 
     @property
     def owner(self) -> BaseDevice:
-        """The opened device this buffer lives on."""
-        from aruntime.device import Device
+        """The device this buffer lives on (opened on first use; a root keeps the one it was allocated on)."""
+        root = self.base
+        if root._owner is None:
+            from aruntime.device import Device
 
-        return Device[self.device]
+            return Device[self.device]
+        return root._owner
 
     @property
     def allocator(self) -> Allocator[Any]:
@@ -120,6 +124,8 @@ class Buffer:
         """Allocate the memory (a view: its root first); ``external_ptr`` wraps caller-owned memory."""
         if self.is_allocated():
             raise BufferUsageError(f"{self!r} is already allocated")
+        if self._base is None:
+            self._owner = None  # (re)allocate on the device opened under this name now
         allocator = self.allocator
         if self._base is not None:
             self._base.ensure_allocated()
@@ -133,6 +139,7 @@ class Buffer:
         if external_ptr is not None:
             spec = BufferSpec(**{**spec.__dict__, "external_ptr": external_ptr})
         self._handle = allocator.alloc(self.nbytes, spec)
+        self._owner = self.owner
         self.spec = spec
         self._freed = False
         self._generation += 1

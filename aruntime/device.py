@@ -61,6 +61,7 @@ class BaseDevice:
     allocator_type: ClassVar[type[Allocator[Any]]]
     compiler_type: ClassVar[type[Compiler] | None] = None
     copy_fn: CopyFn
+    """``copy_fn(dst, src, nbytes)`` copies between two of this device's handles (or host addresses)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -290,9 +291,10 @@ class BaseDevice:
         return DeviceEvent(self.name, engine_offset(self.compute), engine_offset(self.copy))
 
     def close(self) -> None:
-        """Stop the engines once their work is done."""
+        """Stop the engines once their work is done and forget the device: ``Device[name]`` opens a new one."""
         self.compute.close()
         self.copy.close()
+        Device.forget(self)
 
 
 def cross_engine_waits(deps: Sequence[Op], engine: Engine) -> dict[Engine, int]:
@@ -354,6 +356,12 @@ class _Registry:
                 raise DeviceError(f"{name}: compute devices are opened only in the main process")
             dev = self._opened[name] = cls(name)
             return dev
+
+    def forget(self, dev: BaseDevice) -> None:
+        """Drop a closed device from the opened set."""
+        with self._lock:
+            if self._opened.get(dev.name) is dev:
+                del self._opened[dev.name]
 
     @property
     def opened(self) -> tuple[str, ...]:

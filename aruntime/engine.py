@@ -67,6 +67,10 @@ class Op:
     ``await op`` (or ``op.wait()`` from a thread) returns the op's result once
     the engine has run it, or raises the error it failed with. Cancelling the
     awaiting task stops only the waiting: the op still runs.
+
+    What an engine uses: ``cmds`` (the commands to run, until done), ``deps``
+    (ops it depends on; see :func:`check_deps`), ``value`` (the engine signal
+    value that marks it done), ``engine``, and ``error`` (set when it fails).
     """
 
     __slots__ = ("cmds", "deps", "engine", "error", "id", "keep", "name", "observed", "result", "value")

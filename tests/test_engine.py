@@ -316,3 +316,18 @@ async def test_small_copy_after_a_kernel_rides_on_the_compute_queue() -> None:
     assert bytes(await small_out) == b"\x01" * 1024 and bytes(await large_out) == b"\x01" * large.nbytes
     await dev.free(small)
     await dev.free(large)
+
+
+async def test_a_closed_device_is_forgotten_and_reopens() -> None:
+    dev = Device["CPU:6"]
+    buf = await dev.allocate(8)
+    await dev.copyin(buf, bytes(8))
+    await dev.free(buf)
+    dev.close()
+    assert "CPU:6" not in Device.opened
+    again = Device["CPU:6"]
+    assert again is not dev
+    buf = await again.allocate(8)
+    await again.copyin(buf, b"abcdefgh")
+    assert bytes(await again.copyout(buf)) == b"abcdefgh"
+    await again.free(buf)

@@ -148,7 +148,9 @@ class CPUDevice(BaseDevice):
     copy_fn = staticmethod(ctypes.memmove)
 
     def is_dtype_supported(self, dtype: DType) -> bool:
+        """Every dtype but bfloat16, which the system C compiler is not assumed to support."""
         return dtype.scalar() != dtypes.bfloat16
 
 
 device_class = CPUDevice
+"""The class the registry opens for this kind."""

@@ -180,3 +180,4 @@ class DiskDevice(BaseDevice):
 
 
 device_class = DiskDevice
+"""The class the registry opens for this kind."""

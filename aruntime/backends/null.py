@@ -61,3 +61,4 @@ class NullDevice(BaseDevice):
 
 
 device_class = NullDevice
+"""The class the registry opens for this kind."""
