@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+import gc
 import threading
 from typing import Any
 
@@ -11,7 +12,7 @@ import pytest
 
 from aruntime import BufferUsageError, CompileError, Device, DeviceError, OpError, SignalTimeout, dtypes
 from aruntime.device import BaseDevice, Program
-from aruntime.events import RangeEvent, recorder
+from aruntime.events import DependencyEvent, RangeEvent, recorder
 from aruntime.signal import TimelineSignal
 from tests.kernels import ADD_ONE, GATE, SCALE
 
@@ -195,7 +196,8 @@ async def test_dependent_op_fails_naming_the_first_failure() -> None:
 
 
 async def test_cancelled_wait_leaves_op_running_and_memory_held() -> None:
-    dev = Device["CPU"]
+    gc.collect()  # buffers other tests dropped are released now, not while this test counts
+    dev = Device["CPU:7"]  # a device no other test uses: its counters are this test's alone
     alloc = dev.allocator
     gate = await dev.compile(GATE, outs=(0,))
     flag = await dev.allocate(1, dtypes.int32)
@@ -304,16 +306,22 @@ async def test_cross_queue_wait_times_out_naming_device_queue_and_values() -> No
 async def test_small_copy_after_a_kernel_rides_on_the_compute_queue() -> None:
     dev = Device["CPU:1"]
     prog = await dev.compile(ADD_ONE)
+    gate = await dev.compile(GATE, outs=(0,))
+    flag, gate_out = await dev.allocate(1, dtypes.int32), await dev.allocate(1, dtypes.int32)
     small = await dev.allocate(1024)
     large = await dev.allocate(dev.inline_copy_max + 1)
+    await dev.copyin(flag, array.array("i", [0]))
     await dev.copyin(small, bytes(1024))
     await dev.copyin(large, bytes(large.nbytes))
     assert dev.copyout(small).engine is dev.copy  # nothing to wait for: the copy queue
-    dev.launch(prog, small, vals=(1024,))
-    dev.launch(prog, large, vals=(large.nbytes,))
-    small_out, large_out = dev.copyout(small), dev.copyout(large)
-    assert small_out.engine is dev.compute and large_out.engine is dev.copy
-    assert bytes(await small_out) == b"\x01" * 1024 and bytes(await large_out) == b"\x01" * large.nbytes
+    with anyio.fail_after(10):
+        dev.launch(gate, gate_out, vals=(flag.handle, SPINS))  # holds the compute queue until opened
+        dev.launch(prog, small, vals=(1024,))
+        dev.launch(prog, large, vals=(large.nbytes,))
+        small_out, large_out = dev.copyout(small), dev.copyout(large)  # both behind a kernel not yet run
+        assert small_out.engine is dev.compute and large_out.engine is dev.copy
+        await dev.copyin(flag, array.array("i", [1]))
+        assert bytes(await small_out) == b"\x01" * 1024 and bytes(await large_out) == b"\x01" * large.nbytes
     await dev.free(small)
     await dev.free(large)
 
@@ -331,3 +339,23 @@ async def test_a_closed_device_is_forgotten_and_reopens() -> None:
     await again.copyin(buf, b"abcdefgh")
     assert bytes(await again.copyout(buf)) == b"abcdefgh"
     await again.free(buf)
+
+
+async def test_a_cross_queue_wait_is_recorded_as_a_dependency() -> None:
+    dev = Device["CPU:2"]
+    gate = await dev.compile(GATE, outs=(0,))
+    flag = await dev.allocate(1, dtypes.int32)
+    out = await dev.allocate(1 << 15, dtypes.int32)  # too big to ride on the compute queue
+    await dev.copyin(flag, array.array("i", [0]))
+    recorder.enabled = True
+    try:
+        mark = len(recorder.events)
+        with anyio.fail_after(10):
+            kernel = dev.launch(gate, out, vals=(flag.handle, SPINS))
+            reader = dev.copyout(out)  # the kernel cannot have finished: the copy queue must wait for it
+            await dev.copyin(flag, array.array("i", [1]))
+            await reader
+    finally:
+        recorder.enabled = False
+    deps = [e for e in recorder.events[mark:] if isinstance(e, DependencyEvent)]
+    assert deps == [DependencyEvent(kernel.id, reader.id)]
