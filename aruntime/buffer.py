@@ -174,8 +174,7 @@ class Buffer:
                 self._release(handle)
 
         for op in pending:
-            assert op.engine is not None
-            op.engine.signal.on_reach(op.value, one_done)
+            op.when_done(one_done)
 
     def _release(self, handle: Any) -> None:
         allocator = self.allocator

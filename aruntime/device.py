@@ -111,8 +111,7 @@ class BaseDevice:
         pending = buf.log.pending()
         buf.deallocate()
         for op in pending:
-            assert op.engine is not None
-            await op.engine.signal.wait_async(op.value)
+            await op.settled()
 
     # ---- ops ----------------------------------------------------------------------------------------
 
@@ -132,6 +131,7 @@ class BaseDevice:
         writes: Sequence[Buffer],
         keep: Any,
         result: Any = None,
+        hold: bool = False,
     ) -> Op:
         op = Op(name, (), keep, result)
         deps: list[Op] = []
@@ -142,15 +142,8 @@ class BaseDevice:
         if not deps:
             return engine.push(body, op)
         op.deps = deps
-        waits = cross_engine_waits(deps, engine)
-        if waits:
-            cq = CommandQueue()
-            for dep_engine, value in waits.items():
-                cq.wait(dep_engine.signal, value)
-            if recorder.enabled:
-                recorder.events.extend(DependencyEvent(d.id, op.id) for d in deps if d.engine is not engine)
-            body = cq.cmds + body
-        return engine.push(body, op)
+        dispatch_when_ready([(engine, body, op)], hold)
+        return op
 
     def _copy_engine(self, buf: Buffer, write: bool) -> Engine:
         """The copy queue, except for a small copy that must wait for a kernel anyway: it runs on the
@@ -161,10 +154,14 @@ class BaseDevice:
             return self.compute
         return self.copy
 
-    def copyin(self, buf: Buffer, data: Any) -> Op:
+    def copyin(self, buf: Buffer, data: Any, hold: bool = False) -> Op:
         """Copy ``data`` (any C-contiguous buffer-protocol object of ``buf.nbytes`` bytes) into ``buf``.
 
         Zero-copy from the source: it is held, unresizable, until the copy is done.
+        Like every op method, it submits at once and returns the awaitable op. A
+        queue runs its ops in the order given; with ``hold``, an op that must wait
+        for another queue is kept off its queue until then, so later independent
+        ops go first (see :func:`dispatch_when_ready`).
         """
         self._check(buf, "copyin")
         src = Pinned(data)
@@ -172,10 +169,11 @@ class BaseDevice:
             src.release()
             raise BufferUsageError(f"copyin: source has {src.nbytes} bytes, {buf!r} has {buf.nbytes}")
         body: list[Command] = [(COPY, f"copyin {buf.nbytes} B", self.copy_fn, buf.handle, src.address, buf.nbytes)]
-        return self._submit(self._copy_engine(buf, True), body[0][1], body, (), (buf,), (src, buf))
+        return self._submit(self._copy_engine(buf, True), body[0][1], body, (), (buf,), (src, buf), hold=hold)
 
-    def copyout(self, buf: Buffer, into: Any = None) -> Op:
-        """Copy ``buf`` out; the op's result is ``into`` (a writable buffer) or a new bytearray."""
+    def copyout(self, buf: Buffer, into: Any = None, hold: bool = False) -> Op:
+        """Copy ``buf`` out; the op's result is ``into`` (a writable buffer) or a new bytearray. ``hold``: see
+        :meth:`copyin`."""
         self._check(buf, "copyout")
         dest = bytearray(buf.nbytes) if into is None else into
         pin = Pinned(dest, writable=True)
@@ -184,12 +182,12 @@ class BaseDevice:
             raise BufferUsageError(f"copyout: destination has {pin.nbytes} bytes, {buf!r} has {buf.nbytes}")
         name = f"copyout {buf.nbytes} B"
         body: list[Command] = [(COPY, name, self.copy_fn, pin.address, buf.handle, buf.nbytes)]
-        return self._submit(self._copy_engine(buf, False), name, body, (buf,), (), (pin, buf), dest)
+        return self._submit(self._copy_engine(buf, False), name, body, (buf,), (), (pin, buf), dest, hold)
 
-    def transfer(self, dst: Buffer, src: Buffer) -> Op:
+    def transfer(self, dst: Buffer, src: Buffer, hold: bool = False) -> Op:
         """Copy ``src`` (on this device) to ``dst`` (on any host-mapped device) on this device's copy engine.
 
-        The destination device's later work on ``dst`` waits for it.
+        The destination device's later work on ``dst`` waits for it. ``hold``: see :meth:`copyin`.
         """
         self._check(src, "transfer")
         if not isinstance(dst, Buffer):
@@ -200,7 +198,7 @@ class BaseDevice:
             raise BufferUsageError(f"transfer: {src!r} has {src.nbytes} bytes, {dst!r} has {dst.nbytes}")
         name = f"transfer {src.nbytes} B {self.name}->{dst_dev.name}"
         body: list[Command] = [(COPY, name, self.copy_fn, dst.handle, src.handle, src.nbytes)]
-        return self._submit(self.copy, name, body, (src,), (dst,), (src, dst))
+        return self._submit(self.copy, name, body, (src,), (dst,), (src, dst), hold=hold)
 
     async def compile(self, src: str, name: str = "kernel", outs: Sequence[int] | None = None) -> Program:
         """Compile ``src`` off the event loop (through the compile cache) and load kernel ``name``.
@@ -242,11 +240,12 @@ class BaseDevice:
         *bufs: Buffer,
         vals: Sequence[int | float] = (),
         outs: Sequence[int] | None = None,
+        hold: bool = False,
     ) -> Op:
         """Run ``prog`` on ``bufs`` and the scalar ``vals`` on the compute engine.
 
         ``outs`` (default: the program's, else all) are the indices of the buffers it writes;
-        the others are only read.
+        the others are only read. ``hold``: see :meth:`copyin`.
         """
         reads, writes = self._launch_access(prog, bufs, outs)
         for i, val in enumerate(vals):
@@ -254,7 +253,7 @@ class BaseDevice:
                 raise TypeError(f"launch {prog.name}: scalar {i} must be int or float, got {type(val).__name__}")
         args = prog.args([b.handle for b in bufs], vals)
         body: list[Command] = [(EXEC, prog.name, prog, args)]
-        return self._submit(self.compute, prog.name, body, reads, writes, bufs)  # the EXEC command keeps prog alive
+        return self._submit(self.compute, prog.name, body, reads, writes, bufs, hold=hold)  # EXEC keeps prog alive
 
     # ---- completion ---------------------------------------------------------------------------------
 
@@ -268,16 +267,28 @@ class BaseDevice:
                 error.add_note(f"{len(failed) - 1} more op(s) on {self.name} failed unobserved")
             raise error
 
+    async def settle(self) -> None:
+        """Wait for all work submitted so far (held ops included) to finish; raises nothing."""
+        for engine in (self.compute, self.copy):
+            while engine.held:
+                await next(iter(tuple(engine.held))).settled()
+            await engine.signal.wait_async(engine.last)
+
+    def settle_blocking(self, timeout: float | None = None) -> None:
+        """:meth:`settle` for threads outside any event loop; each wait gives up after ``timeout`` seconds."""
+        for engine in (self.compute, self.copy):
+            while engine.held:
+                next(iter(tuple(engine.held))).wait_done(timeout)
+            engine.signal.wait(engine.last, timeout)
+
     async def synchronize(self) -> None:
         """Wait for all work submitted so far; raise the first failure nobody awaited."""
-        for engine in (self.compute, self.copy):
-            await engine.signal.wait_async(engine.last)
+        await self.settle()
         self._raise_failures()
 
     def synchronize_blocking(self) -> None:
         """:meth:`synchronize` for threads outside any event loop."""
-        for engine in (self.compute, self.copy):
-            engine.signal.wait(engine.last)
+        self.settle_blocking()
         self._raise_failures()
 
     def finalize_profile(self) -> DeviceEvent:
@@ -295,6 +306,63 @@ class BaseDevice:
         self.compute.close()
         self.copy.close()
         Device.forget(self)
+
+
+def dispatch_when_ready(ops: Sequence[tuple[Engine, list[Command], Op]], hold: bool) -> None:
+    """Hand ``ops`` (each with its engine and commands, its ``deps`` set) to their engines together,
+    as soon as their dependencies allow; until then they are held (see :meth:`Op.hold`).
+
+    Without ``hold`` they go as soon as every dependency has been handed over, and
+    wait commands cover cross-queue hazards (a queue runs in the order it is given
+    work). With ``hold`` an op also waits off-queue, without a wait command, until
+    its dependencies on other queues are done, so that later independent work on
+    its queue is not stuck behind it; this is how a :class:`~aruntime.scheduler.Scheduler`
+    overlaps straight-line code.
+    """
+    mine = {id(op) for _, _, op in ops}
+    blockers: list[tuple[Op, bool, Op]] = []  # (op, wait only for the dependency's dispatch, dependency)
+    for engine, _, op in ops:
+        for dep in op.deps:
+            if id(dep) in mine or dep.done():
+                continue
+            if hold and dep.engine is not engine:
+                blockers.append((op, False, dep))
+            elif not dep.dispatched:
+                blockers.append((op, True, dep))
+    if not blockers:
+        _dispatch(ops, mine)
+        return
+    for engine, _, op in ops:
+        op.hold(engine)
+    if recorder.enabled:
+        recorder.events.extend(DependencyEvent(dep.id, op.id) for op, on, dep in blockers if not on)
+    left = [len(blockers)]
+    lock = threading.Lock()
+
+    def one_ready() -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        _dispatch(ops, mine)
+
+    for _, on_dispatch, dep in blockers:
+        (dep.when_dispatched if on_dispatch else dep.when_done)(one_ready)
+
+
+def _dispatch(ops: Sequence[tuple[Engine, list[Command], Op]], mine: set[int]) -> None:
+    for engine, body, op in ops:
+        waits = cross_engine_waits([d for d in op.deps if id(d) not in mine and not d.done()], engine)
+        if waits:
+            cq = CommandQueue()
+            for dep_engine, value in waits.items():
+                cq.wait(dep_engine.signal, value)
+            if recorder.enabled:
+                recorder.events.extend(
+                    DependencyEvent(d.id, op.id) for d in op.deps if d.engine in waits and id(d) not in mine
+                )
+            body = cq.cmds + body
+        engine.push(body, op)
 
 
 def cross_engine_waits(deps: Sequence[Op], engine: Engine) -> dict[Engine, int]:

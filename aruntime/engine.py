@@ -18,9 +18,13 @@ from collections.abc import Callable, Generator, Sequence
 from time import perf_counter_ns
 from typing import Any
 
-from aruntime.errors import DependencyError, OpError
+from aruntime.errors import DependencyError, OpError, SignalTimeout
 from aruntime.events import now_us, op_ids, recorder
-from aruntime.signal import TimelineSignal
+from aruntime.signal import TimelineSignal, wait_registered
+
+HELD = 1 << 62
+"""The ``value`` of an op that is held: bound for an engine, not yet handed to it."""
+_later_lock = threading.Lock()
 
 WAIT, SIGNAL, TIMESTAMP, EXEC, COPY = range(5)  # the engine relies on this order: control commands first
 Command = tuple[Any, ...]
@@ -68,12 +72,16 @@ class Op:
     the engine has run it, or raises the error it failed with. Cancelling the
     awaiting task stops only the waiting: the op still runs.
 
+    An op may be *held*: bound for an engine but not yet handed to it, until
+    the ops it depends on allow it (see :meth:`BaseDevice.copyin`'s ``hold``).
+    Its ``value`` is then :data:`HELD`.
+
     What an engine uses: ``cmds`` (the commands to run, until done), ``deps``
     (ops it depends on; see :func:`check_deps`), ``value`` (the engine signal
     value that marks it done), ``engine``, and ``error`` (set when it fails).
     """
 
-    __slots__ = ("cmds", "deps", "engine", "error", "id", "keep", "name", "observed", "result", "value")
+    __slots__ = ("cmds", "deps", "engine", "error", "id", "keep", "later", "name", "observed", "result", "value")
 
     def __init__(self, name: str, deps: Sequence[Op] = (), keep: Any = None, result: Any = None) -> None:
         self.name = name
@@ -85,11 +93,57 @@ class Op:
         self.engine: Engine | None = None
         self.cmds: list[Command] | None = None  # held from submission until the op has run
         self.value = 0
+        self.later: list[tuple[bool, Callable[[], None]]] | None = None  # while held: (on_dispatch, callback)
         self.id = next(op_ids)
 
     def __repr__(self) -> str:
         state = "failed" if self.error is not None else "done" if self.done() else "pending"
         return f"<Op #{self.id} {self.name} {state}>"
+
+    @property
+    def dispatched(self) -> bool:
+        """Whether the op has been handed to its engine (it is not held)."""
+        return self.engine is not None and self.value != HELD
+
+    def hold(self, engine: Engine) -> None:
+        """Bind the op to ``engine`` without handing it over yet (see :meth:`Engine.push`)."""
+        self.engine = engine
+        self.value = HELD
+        self.later = []
+        engine.held.add(self)
+
+    def _when(self, on_dispatch: bool, callback: Callable[[], None]) -> None:
+        if self.value == HELD:
+            with _later_lock:
+                if self.value == HELD:
+                    assert self.later is not None
+                    self.later.append((on_dispatch, callback))
+                    return
+        if on_dispatch:
+            callback()
+        else:
+            self._submitted().signal.on_reach(self.value, callback)
+
+    def when_done(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (on whichever thread finishes the op) once it is done; now if it is."""
+        self._when(False, callback)
+
+    def when_dispatched(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the op has been handed to its engine; now if it has."""
+        self._when(True, callback)
+
+    async def settled(self) -> None:
+        """Wait until the op is done, whatever its outcome (cancelling the wait leaves the op alone)."""
+        engine = self._submitted()
+        if self.value == HELD:
+            await wait_registered(self.when_done, engine.signal.timeout, self._held_timeout)
+        elif engine.signal.value < self.value:
+            await engine.signal.wait_async(self.value)
+
+    def _held_timeout(self) -> SignalTimeout:
+        state = "still held (not handed to its engine)" if self.value == HELD else "not done"
+        timeout = self._submitted().signal.timeout
+        return SignalTimeout(f"{self.name} on {self._submitted().signal.name}: {state} after {timeout:g} s")
 
     def done(self) -> bool:
         """Whether the engine has finished with this op (successfully or not)."""
@@ -105,7 +159,7 @@ class Op:
     def __await__(self) -> Generator[Any, None, Any]:
         signal = self._submitted().signal
         if signal.value < self.value:
-            yield from signal.wait_async(self.value).__await__()
+            yield from self.settled().__await__()
         return self._outcome()
 
     def wait(self, timeout: float | None = None) -> Any:
@@ -115,7 +169,14 @@ class Op:
 
     def wait_done(self, timeout: float | None = None) -> None:
         """Block the calling thread until the op is done, whatever its outcome."""
-        self._submitted().signal.wait(self.value, timeout)
+        signal = self._submitted().signal
+        if self.value != HELD:
+            signal.wait(self.value, timeout)
+            return
+        finished = threading.Event()
+        self.when_done(finished.set)
+        if not finished.wait(signal.timeout if timeout is None else timeout):
+            raise self._held_timeout()
 
     def _submitted(self) -> Engine:
         if self.engine is None:
@@ -137,6 +198,7 @@ class Engine:
         self.signal = TimelineSignal(f"{device} {kind} queue", timeout)
         self.ranges = recorder.range_log(device, self.is_copy)
         self.last = 0
+        self.held: set[Op] = set()  # ops bound for this engine, not yet handed to it
         self.failed: list[Op] = []
         self._lock = threading.Lock()
 
@@ -154,6 +216,15 @@ class Engine:
             op.engine = self
             op.cmds = cmds
             self._enqueue(cmds, op)
+        if op.later is not None:  # it was held: run what waited for its dispatch, pass on what waits for the end
+            self.held.discard(op)
+            with _later_lock:
+                later, op.later = op.later, None
+            for on_dispatch, callback in later:
+                if on_dispatch:
+                    callback()
+                else:
+                    self.signal.on_reach(op.value, callback)
         return op
 
     def _enqueue(self, cmds: list[Command], op: Op) -> None:

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from aruntime.buffer import Buffer
-from aruntime.device import BaseDevice, Program, cross_engine_waits
-from aruntime.engine import COPY, EXEC, SIGNAL, TIMESTAMP, WAIT, Command, CommandQueue, Engine, Op
+from aruntime.device import BaseDevice, Program, dispatch_when_ready
+from aruntime.engine import COPY, EXEC, SIGNAL, TIMESTAMP, WAIT, Command, Engine, Op
 from aruntime.errors import BufferUsageError, DependencyError
 from aruntime.events import GraphEntry, GraphEvent, recorder
 from aruntime.helpers import Pinned
@@ -304,13 +304,10 @@ class Graph:
             b.log.access(b.offset, b.offset + b.nbytes, write, ops[engine], engine, deps[engine])
         mine = set(ops.values())
         for engine in plan.engines:
-            op = ops[engine]
-            op.deps = [d for d in deps[engine] if d not in mine]
-            cq = CommandQueue()
-            for dep_engine, value in cross_engine_waits(op.deps, engine).items():
-                cq.wait(dep_engine.signal, value)
-            cq.cmds.extend(bodies[engine])
-            engine.submit(cq, op)
+            ops[engine].deps = [d for d in deps[engine] if d not in mine]
+        # all engines' parts go together, once every outside dependency is on its queue: their progress
+        # waits on one another must never sit in front of an outside op they depend on
+        dispatch_when_ready([(engine, bodies[engine], ops[engine]) for engine in plan.engines], hold=False)
         return list(ops.values())
 
 
@@ -329,8 +326,7 @@ def _record_when_done(run: GraphRun, graph: Graph, plan: _Plan, times: list[list
         recorder.events.append(GraphEvent(entries, plan.deps, starts, ends))
 
     for op in run.ops:
-        assert op.engine is not None
-        op.engine.signal.on_reach(op.value, one_done)
+        op.when_done(one_done)
 
 
 class GraphRun:
@@ -349,8 +345,7 @@ class GraphRun:
 
     async def _wait(self) -> dict[str, Any]:
         for op in self.ops:
-            assert op.engine is not None
-            await op.engine.signal.wait_async(op.value)
+            await op.settled()
         failed = [op for op in self.ops if op.error is not None]
         if failed:
             for op in failed:

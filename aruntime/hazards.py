@@ -15,8 +15,9 @@ class AccessLog:
     and at least one of them writes (read-after-write, write-after-read,
     write-after-write). The log stays short: entries of finished ops are
     dropped, and so is every entry that a newer access both covers and is
-    ordered after (a write after anything, a read after a read on its engine),
-    since waiting for the newer access then implies the older one is done.
+    ordered after (a write after anything it conflicts with; a read after a
+    read already handed to the same engine, which runs in order), since waiting
+    for the newer access then implies the older one is done.
     """
 
     __slots__ = ("entries",)
@@ -33,7 +34,7 @@ class AccessLog:
                 continue
             if (write or w) and s < end and start < e and other not in deps and other is not op:
                 deps.append(other)
-            if not (start <= s and e <= end and (write or (not w and other.engine is engine))):
+            if not (start <= s and e <= end and (write or (not w and other.engine is engine and other.dispatched))):
                 live.append(entry)
         live.append((start, end, write, op))
         self.entries = live

@@ -87,11 +87,16 @@ class Scheduler:
         inflight = self._inflight
         while inflight:
             last: dict[Engine, int] = {}  # an engine runs its ops in order: waiting for its latest covers the rest
+            held = []
             for op in inflight:
                 engine = op.engine
                 assert engine is not None
-                if op.value > last.get(engine, 0):
+                if not op.dispatched:
+                    held.append(op)
+                elif op.value > last.get(engine, 0):
                     last[engine] = op.value
+            for op in held:
+                await op.settled()
             for engine, value in last.items():
                 await engine.signal.wait_async(value)
             self._retire()
@@ -144,9 +149,7 @@ class Scheduler:
             inflight = self._inflight
             self._retire()
             while len(inflight) >= self.window:
-                oldest = inflight[0]
-                assert oldest.engine is not None
-                await oldest.engine.signal.wait_async(oldest.value)
+                await inflight[0].settled()
                 self._retire()
         finally:  # admitted or cancelled: leave the queue, and pass the head on
             head = queued[0] is turn
@@ -168,19 +171,19 @@ class Scheduler:
         """Enqueue a copy of host ``data`` into ``buf`` (waits while the window is full)."""
         if not self._has_room():
             await self._admit()
-        return self._track(self._owner(buf).copyin(buf, data))
+        return self._track(self._owner(buf).copyin(buf, data, hold=True))
 
     async def copyout(self, buf: Buffer, into: Any = None) -> Op:
         """Enqueue a copy of ``buf`` to the host; awaiting the handle gives the data."""
         if not self._has_room():
             await self._admit()
-        return self._track(self._owner(buf).copyout(buf, into))
+        return self._track(self._owner(buf).copyout(buf, into, hold=True))
 
     async def transfer(self, dst: Buffer, src: Buffer) -> Op:
         """Enqueue a device-to-device copy on the source's copy queue."""
         if not self._has_room():
             await self._admit()
-        return self._track(self._owner(src).transfer(dst, src))
+        return self._track(self._owner(src).transfer(dst, src, hold=True))
 
     async def launch(
         self, prog: Program, *bufs: Buffer, vals: Sequence[int | float] = (), outs: Sequence[int] | None = None
@@ -188,7 +191,7 @@ class Scheduler:
         """Enqueue a kernel on its device's compute queue."""
         if not self._has_room():
             await self._admit()
-        return self._track(prog.device.launch(prog, *bufs, vals=vals, outs=outs))
+        return self._track(prog.device.launch(prog, *bufs, vals=vals, outs=outs, hold=True))
 
     async def replay(self, graph: Graph, buffers: dict[Buffer, Buffer] | None = None, **inputs: Any) -> GraphRun:
         """Enqueue a replay of a captured :class:`~aruntime.graph.Graph` (see :meth:`Graph.replay`)."""

@@ -86,31 +86,44 @@ class TimelineSignal:
         if self.value >= value:
             return
         limit = self.timeout if timeout is None else timeout
-        error = partial(self._timeout_error, value, limit)
-        loop = asyncio._get_running_loop()
-        if loop is None:
-            await self._wait_trio(value, limit, error)
-            return
-        fut: asyncio.Future[None] = loop.create_future()
-        waiter = Waiter(fut, loop.time() + limit, error)
-        waker = asyncio_waker(loop)
-        self.on_reach(value, partial(waker.post, waiter))
-        waker.track(waiter)
-        try:
-            await fut
-        finally:
-            waiter.task = None  # woken, timed out or cancelled: the waker has nothing left to do
+        await wait_registered(partial(self.on_reach, value), limit, partial(self._timeout_error, value, limit))
 
-    async def _wait_trio(self, value: int, limit: float, error: Callable[[], BaseException]) -> None:
-        import trio
 
-        waiter = Waiter(trio.lowlevel.current_task(), trio.current_time() + limit, error)
-        waker = trio_waker()
-        self.on_reach(value, partial(waker.post, waiter))
-        waker.track(waiter)
+async def wait_registered(
+    register: Callable[[Callable[[], None]], None], limit: float, error: Callable[[], BaseException]
+) -> None:
+    """Suspend the current task until the callback given to ``register`` is called (from any thread).
 
-        def abort(_: object) -> trio.lowlevel.Abort:
-            waiter.task = None
-            return trio.lowlevel.Abort.SUCCEEDED
+    Raises ``error()`` after ``limit`` seconds. The loop is woken once per batch
+    of such callbacks (see :mod:`aruntime.wakeup`); asyncio and trio alike.
+    """
+    loop = asyncio._get_running_loop()
+    if loop is None:
+        await _wait_trio(register, limit, error)
+        return
+    fut: asyncio.Future[None] = loop.create_future()
+    waiter = Waiter(fut, loop.time() + limit, error)
+    waker = asyncio_waker(loop)
+    register(partial(waker.post, waiter))
+    waker.track(waiter)
+    try:
+        await fut
+    finally:
+        waiter.task = None  # woken, timed out or cancelled: the waker has nothing left to do
 
-        await trio.lowlevel.wait_task_rescheduled(abort)
+
+async def _wait_trio(
+    register: Callable[[Callable[[], None]], None], limit: float, error: Callable[[], BaseException]
+) -> None:
+    import trio
+
+    waiter = Waiter(trio.lowlevel.current_task(), trio.current_time() + limit, error)
+    waker = trio_waker()
+    register(partial(waker.post, waiter))
+    waker.track(waiter)
+
+    def abort(_: object) -> trio.lowlevel.Abort:
+        waiter.task = None
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    await trio.lowlevel.wait_task_rescheduled(abort)

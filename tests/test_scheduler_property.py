@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import anyio
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from aruntime import Buffer, Device, Program, dtypes
@@ -80,7 +80,22 @@ def view_of(roots: list[Buffer], r: Region) -> Buffer:
 EXAMPLES = int(os.environ.get("ARUNTIME_FUZZ_EXAMPLES", "15"))
 
 
+HELD_READ_THEN_WRITE: Case = (  # a held transfer reads b1; a later read of b1 must not hide it from a write
+    1,
+    [0, 0],
+    [
+        ("affine", Region(0, 0, 1, False), 0, 0),
+        ("transfer", Region(0, 0, 1, False), Region(1, 0, 1, False)),
+        ("copyout", Region(0, 0, 1, False)),
+        ("copyout", Region(1, 0, 1, False)),
+        ("copyin", Region(1, 0, 1, False), b"\x00"),
+    ],
+    8,
+)
+
+
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@example(case=HELD_READ_THEN_WRITE)
 @given(case=programs())
 async def test_random_programs_match_sequential_reference(
     case: tuple[int, list[int], list[tuple[object, ...]], int],

@@ -166,6 +166,7 @@ class DiskDevice(BaseDevice):
         *bufs: Buffer,
         vals: Sequence[int | float] = (),
         outs: Sequence[int] | None = None,
+        hold: bool = False,
     ) -> Op:
         """Always a :class:`DeviceError`: a DISK device runs no kernels."""
         raise DeviceError(

@@ -151,13 +151,11 @@ def _opened_devices() -> list[BaseDevice]:
 
 def _drain(dev: BaseDevice, timeout: float | None) -> None:
     """Wait for everything submitted to ``dev`` so far, without taking its unobserved failures."""
-    for engine in (dev.compute, dev.copy):
-        engine.signal.wait(engine.last, timeout)
+    dev.settle_blocking(timeout)
 
 
 async def _drain_async(dev: BaseDevice) -> None:
-    for engine in (dev.compute, dev.copy):
-        await engine.signal.wait_async(engine.last)
+    await dev.settle()
 
 
 def _finalize(devices: Iterable[BaseDevice], warn: Callable[[str], None] | None = None) -> list[DeviceEvent]:
