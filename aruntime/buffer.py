@@ -10,7 +10,7 @@ from aruntime.allocator import DEFAULT_SPEC, Allocator, BufferSpec
 from aruntime.dtype import DType, dtypes
 from aruntime.errors import BufferUsageError
 from aruntime.hazards import AccessLog
-from aruntime.helpers import canonicalize
+from aruntime.helpers import after_all, canonicalize
 
 if TYPE_CHECKING:
     from aruntime.device import BaseDevice
@@ -163,16 +163,7 @@ class Buffer:
         if not pending:
             self._release(handle)
             return
-        left = [len(pending)]
-        lock = threading.Lock()
-
-        def one_done() -> None:
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                self._release(handle)
-
+        one_done = after_all(len(pending), lambda: self._release(handle))
         for op in pending:
             op.when_done(one_done)
 

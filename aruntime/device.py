@@ -21,7 +21,7 @@ from aruntime.dtype import DType, dtypes
 from aruntime.engine import COPY, EXEC, Command, CommandQueue, CopyFn, Engine, Op, ThreadEngine
 from aruntime.errors import BufferUsageError, DeviceError
 from aruntime.events import DependencyEvent, DeviceEvent, recorder
-from aruntime.helpers import Pinned, canonicalize, getenv
+from aruntime.helpers import Pinned, after_all, canonicalize, getenv
 
 PRIORITY = ("CUDA", "CL", "CPU")
 """Kinds tried in order for the default device (file-backed kinds and NULL are never the default)."""
@@ -336,16 +336,7 @@ def dispatch_when_ready(ops: Sequence[tuple[Engine, list[Command], Op]], hold: b
         op.hold(engine)
     if recorder.enabled:
         recorder.events.extend(DependencyEvent(dep.id, op.id) for op, on, dep in blockers if not on)
-    left = [len(blockers)]
-    lock = threading.Lock()
-
-    def one_ready() -> None:
-        with lock:
-            left[0] -= 1
-            if left[0]:
-                return
-        _dispatch(ops, mine)
-
+    one_ready = after_all(len(blockers), lambda: _dispatch(ops, mine))
     for _, on_dispatch, dep in blockers:
         (dep.when_dispatched if on_dispatch else dep.when_done)(one_ready)
 

@@ -22,7 +22,7 @@ from aruntime.device import BaseDevice, Program, dispatch_when_ready
 from aruntime.engine import COPY, EXEC, SIGNAL, TIMESTAMP, WAIT, Command, Engine, Op
 from aruntime.errors import BufferUsageError, DependencyError
 from aruntime.events import GraphEntry, GraphEvent, recorder
-from aruntime.helpers import Pinned
+from aruntime.helpers import Pinned, after_all
 from aruntime.signal import TimelineSignal
 
 _graph_ids = itertools.count(1)
@@ -61,6 +61,7 @@ class _Step:
 @dataclass
 class _Plan:
     engines: list[Engine]
+    placed: list[Engine]  # the engine each entry runs on
     deps: tuple[tuple[int, ...], ...]  # each entry's direct dependencies (indices of earlier entries)
     progress: dict[Engine, TimelineSignal]
     needed: frozenset[str]  # the copy-in sources and Params every replay must name
@@ -152,21 +153,22 @@ class Graph:
                     mine.append(j)
             deps.append(tuple(mine))
             depth.append(1 + max((depth[j] for j in mine), default=-1))
+        engines = self._place(deps)
         # every conflicting pair is an edge, so this order keeps each conflict's captured order
         order: dict[Engine, list[int]] = {}
         for i in sorted(range(len(entries)), key=lambda i: (depth[i], i)):
-            order.setdefault(entries[i].engine, []).append(i)
+            order.setdefault(engines[i], []).append(i)
         pos = [0] * len(entries)
         for indices in order.values():
             for p, i in enumerate(indices, 1):
                 pos[i] = p
         waits: list[list[tuple[Engine, int]]] = []
         signals = [False] * len(entries)
-        for i, entry in enumerate(entries):
+        for i in range(len(entries)):
             latest: dict[Engine, int] = {}
             for j in deps[i]:
-                engine = entries[j].engine
-                if engine is not entry.engine:
+                engine = engines[j]
+                if engine is not engines[i]:
                     latest[engine] = max(latest.get(engine, 0), pos[j])
                     signals[j] = True
             waits.append(list(latest.items()))
@@ -187,10 +189,30 @@ class Graph:
             ]
             for engine, indices in order.items()
         }
-        accesses = [
-            (e.engine, b, write) for e in entries for bufs, write in ((e.reads, False), (e.writes, True)) for b in bufs
-        ]
-        return _Plan(list(order), tuple(deps), progress, frozenset(needed), outputs, steps, accesses)
+        strongest: dict[tuple[Engine, int], tuple[Buffer, bool]] = {}  # one access per engine and buffer
+        for i, e in enumerate(entries):
+            for bufs, write in ((e.reads, False), (e.writes, True)):
+                for b in bufs:
+                    key = (engines[i], id(b))
+                    strongest[key] = (b, write or strongest.get(key, (b, False))[1])
+        accesses = [(engine, b, write) for (engine, _), (b, write) in strongest.items()]
+        return _Plan(list(order), engines, tuple(deps), progress, frozenset(needed), outputs, steps, accesses)
+
+    def _place(self, deps: list[tuple[int, ...]]) -> list[Engine]:
+        """Each entry's engine: its own, except that a small host copy (at most the device's
+        ``inline_copy_max`` bytes) next to a kernel of its device, as a dependency or a dependent, runs
+        on that compute queue, in order with the kernel, instead of costing a hand-off between queues."""
+        entries = self.entries
+        engines = [e.engine for e in entries]
+        near: list[set[int]] = [set(d) for d in deps]
+        for i, d in enumerate(deps):
+            for j in d:
+                near[j].add(i)
+        for i, e in enumerate(entries):
+            small = e.kind in ("copyin", "copyout") and (e.reads + e.writes)[0].nbytes <= e.device.inline_copy_max
+            if small and any(entries[j].kind == "launch" and entries[j].device is e.device for j in near[i]):
+                engines[i] = e.device.compute
+        return engines
 
     def replay(self, buffers: dict[Buffer, Buffer] | None = None, **inputs: Any) -> GraphRun:
         """Submit the whole graph once; returns a :class:`GraphRun` to await.
@@ -312,19 +334,16 @@ class Graph:
 
 
 def _record_when_done(run: GraphRun, graph: Graph, plan: _Plan, times: list[list[float]]) -> None:
-    left = [len(run.ops)]
-    lock = threading.Lock()
-
-    def one_done() -> None:
-        with lock:
-            left[0] -= 1
-            if left[0]:
-                return
-        entries = tuple(GraphEntry(e.device.name, e.name, e.engine.is_copy) for e in graph.entries)
+    def record() -> None:
+        entries = tuple(
+            GraphEntry(e.device.name, e.name, engine.is_copy)
+            for e, engine in zip(graph.entries, plan.placed, strict=True)
+        )
         starts = tuple(t[0] if len(t) == 2 else 0.0 for t in times)
         ends = tuple(t[1] if len(t) == 2 else 0.0 for t in times)
         recorder.events.append(GraphEvent(entries, plan.deps, starts, ends))
 
+    one_done = after_all(len(run.ops), record)
     for op in run.ops:
         op.when_done(one_done)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
+from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
 from aruntime.errors import BufferUsageError, DeviceError
@@ -96,3 +98,18 @@ def canonicalize(name: str) -> str:
         name = name[:-2]
     kind, sep, rest = name.partition(":")
     return kind.upper() + sep + rest
+
+
+def after_all(count: int, callback: Callable[[], None]) -> Callable[[], None]:
+    """A function that calls ``callback`` on its ``count``-th call, from whichever thread makes it."""
+    left = [count]
+    lock = threading.Lock()
+
+    def one() -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        callback()
+
+    return one
