@@ -182,3 +182,42 @@ async def test_waiting_tasks_are_admitted_in_turn_and_a_cancelled_one_leaves_the
             await dev.copyin(flag, array.array("i", [1]))
     assert admitted == [0, 2]
     assert [bytes(await dev.copyout(b)) for b in bufs] == [b"\x01" * 8, bytes(8), b"\x01" * 8]
+
+
+async def test_held_op_lets_later_independent_work_on_its_queue_go_first() -> None:
+    dev, flag, gate = await _gate("CPU:4")
+    out = await dev.allocate(1 << 15, dtypes.int32)  # too big to ride on the compute queue
+    other = await dev.allocate(64)
+    with anyio.fail_after(10):
+        async with Scheduler() as sched:
+            kernel = await sched.launch(gate, out, vals=(flag.handle, SPINS))
+            reader = await sched.copyout(out)  # must wait for the kernel: held off the copy queue
+            assert not reader.dispatched and not reader.done()
+            await (await sched.copyin(other, b"x" * 64))  # behind it in program order, done before it
+            assert not kernel.done() and not reader.dispatched
+            waiter = anyio.Event()
+
+            async def sync() -> None:
+                await dev.synchronize()  # waits for held ops too
+                waiter.set()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sync)
+                await anyio.wait_all_tasks_blocked()
+                assert not waiter.is_set()
+                await dev.copyin(flag, array.array("i", [5]))
+            assert reader.dispatched and reader.done()
+            assert array.array("i", bytes(await reader))[0] == 5
+
+
+async def test_held_op_behind_a_failure_fails_with_the_first_cause() -> None:
+    dev = Device["CPU:4"]
+    buf = await dev.allocate(1 << 17)  # too big to ride on the compute queue
+    with pytest.raises(OpError, match="kernel blew up"):
+        async with Scheduler() as sched:
+            await sched.launch(_Failing(dev, "broken", b""), buf)
+            reader = await sched.copyout(buf)
+            with pytest.raises(DependencyError, match="depends on broken"):
+                await reader
+    await dev.synchronize()
+    await dev.free(buf)
