@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
@@ -53,6 +54,10 @@ _release_buffer.restype = None
 _PYBUF_WRITABLE = 0x0001
 
 
+def _bytes_address(data: bytes) -> int | None:
+    return ctypes.cast(data, ctypes.c_void_p).value  # type: ignore[arg-type]  # bytes pass as char *
+
+
 class Pinned:
     """The memory of a buffer-protocol object, held until :meth:`release` (or collection).
 
@@ -61,16 +66,34 @@ class Pinned:
     bytearray, memoryview, array, mmap and C-contiguous numpy arrays.
     """
 
-    __slots__ = ("_view", "address", "nbytes", "readonly")
+    __slots__ = ("_hold", "_view", "address", "nbytes", "readonly")
 
     def __init__(self, obj: object, writable: bool = False) -> None:
-        view = _PyBuffer()
         self._view: _PyBuffer | None = None
+        self._hold: object = None
+        kind = type(obj).__name__
+        if type(obj) is bytes and not writable:  # immutable and referenced: its address cannot change
+            self._hold = obj
+            self.address = _bytes_address(obj) or 0
+            self.nbytes = len(obj)
+            self.readonly = True
+            return
+        if type(obj) is not memoryview:
+            with contextlib.suppress(TypeError):  # no buffer protocol: the general path below says so
+                obj = memoryview(obj)  # type: ignore[arg-type]  # anything with the buffer protocol
+        if type(obj) is memoryview and not obj.readonly and obj.c_contiguous and obj.nbytes:
+            anchor = ctypes.c_char.from_buffer(obj)  # holds an export of the memory for as long as it lives
+            self._hold = anchor
+            self.address = ctypes.addressof(anchor)
+            self.nbytes = obj.nbytes
+            self.readonly = False
+            return
+        view = _PyBuffer()
         try:
             _get_buffer(obj, ctypes.byref(view), _PYBUF_WRITABLE if writable else 0)
         except (BufferError, TypeError, ValueError) as exc:
             need = "a writable, C-contiguous" if writable else "a C-contiguous"
-            raise BufferUsageError(f"expected {need} buffer-protocol object, got {type(obj).__name__}: {exc}") from None
+            raise BufferUsageError(f"expected {need} buffer-protocol object, got {kind}: {exc}") from None
         self._view = view
         self.address = int(view.buf or 0)
         self.nbytes = int(view.len)
@@ -78,6 +101,7 @@ class Pinned:
 
     def release(self) -> None:
         """Let go of the object's memory (idempotent)."""
+        self._hold = None
         view, self._view = self._view, None
         if view is not None:
             _release_buffer(ctypes.byref(view))
