@@ -9,7 +9,7 @@ import os
 import pkgutil
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import anyio
@@ -35,6 +35,8 @@ class Program:
         self.name = name
         self.lib = lib
         self.outs = None if outs is None else tuple(outs)
+        self.call: Callable[..., object] = self.__call__
+        """What an engine calls with :meth:`args`' result: the kernel itself where a backend can give it."""
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} on {self.device.name}>"
@@ -252,8 +254,8 @@ class BaseDevice:
             if not isinstance(val, (int, float)):
                 raise TypeError(f"launch {prog.name}: scalar {i} must be int or float, got {type(val).__name__}")
         args = prog.args([b.handle for b in bufs], vals)
-        body: list[Command] = [(EXEC, prog.name, prog, args)]
-        return self._submit(self.compute, prog.name, body, reads, writes, bufs, hold=hold)  # EXEC keeps prog alive
+        body: list[Command] = [(EXEC, prog.name, prog.call, args)]
+        return self._submit(self.compute, prog.name, body, reads, writes, (prog, bufs), hold=hold)
 
     # ---- completion ---------------------------------------------------------------------------------
 

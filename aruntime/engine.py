@@ -329,8 +329,11 @@ class ThreadEngine(Engine):
         else:
             _, _, fn, dst, src, nbytes = cmd
             step = self.chunk
-            for off in range(0, nbytes, step):
-                fn(dst + off, src + off, min(step, nbytes - off))
+            if nbytes <= step:
+                fn(dst, src, nbytes)
+            else:
+                for off in range(0, nbytes, step):
+                    fn(dst + off, src + off, min(step, nbytes - off))
         if recording:  # RangeLog.add, inlined: this runs once per command
             ranges = self.ranges
             ranges.ends.append(perf_counter_ns())

@@ -287,7 +287,7 @@ class Graph:
             cached = entry.command
             if cached is not None and cached[0] == key:
                 return cached[1]
-            command: Command = (EXEC, entry.name, prog, prog.args(handles, vals))
+            command: Command = (EXEC, entry.name, prog.call, prog.args(handles, vals))
             entry.command = (key, command)  # replays mostly repeat the buffers and scalars: reuse the arguments
             return command
         if entry.kind == "transfer":

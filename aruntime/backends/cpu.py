@@ -129,13 +129,14 @@ class CPUProgram(Program):
         except AttributeError:
             raise CompileError(f"the compiled library has no function {name!r}") from None
         self._fn.restype = None
+        self.call = self._fn
 
     def args(self, addresses: Sequence[int], vals: Sequence[int | float]) -> tuple[Any, ...]:
         scalars = [ctypes.c_int64(v) if isinstance(v, int) else ctypes.c_double(v) for v in vals]
         return (*map(ctypes.c_void_p, addresses), *scalars)
 
     def __call__(self, *args: Any) -> None:
-        self._fn(*args)
+        self._fn(*args)  # engines call ``self.call``, the C function itself
 
 
 class CPUDevice(BaseDevice):
