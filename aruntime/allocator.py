@@ -6,7 +6,7 @@ import ctypes
 import threading
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from aruntime.errors import AllocationError
 from aruntime.helpers import getenv
@@ -43,6 +43,8 @@ class Allocator(Generic[H]):
     A backend implements ``_alloc``, ``_free``, ``_copyin`` and ``_copyout``, and
     optionally ``_as_buffer`` (zero-copy host view), ``_offset`` (views) and
     ``_transfer`` (device to device). ``in_use`` counts the bytes of live buffers.
+    Transfers between host-mapped devices need no ``_transfer``: they run the
+    source device's ``copy_fn`` on the two handles.
     """
 
     def __init__(self, device: str) -> None:
@@ -165,6 +167,3 @@ class HostAllocator(LRUAllocator[int]):
 
     def _offset(self, handle: int, size: int, offset: int) -> int:
         return handle + offset
-
-    def _transfer(self, dest: int, src: int, size: int, **_: Any) -> None:
-        ctypes.memmove(dest, src, size)

@@ -20,7 +20,6 @@ import mmap
 import os
 import threading
 from collections.abc import Sequence
-from typing import Any
 
 from aruntime.allocator import Allocator, BufferSpec, host_view
 from aruntime.buffer import Buffer
@@ -116,9 +115,6 @@ class DiskAllocator(Allocator[int]):
 
     def _offset(self, handle: int, size: int, offset: int) -> int:
         return handle + offset
-
-    def _transfer(self, dest: int, src: int, size: int, **_: Any) -> None:
-        ctypes.memmove(dest, src, size)
 
     def flush(self) -> None:
         """Write every live mapping back to the file (``msync``)."""

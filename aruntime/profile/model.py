@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 COMPUTE, COPY, HOST, OTHER = "compute", "copy", "host", "other"
-QUEUE_KINDS = (COMPUTE, COPY, HOST, OTHER)
 _PHASE_ORDER = {"s": 0, "t": 1, "f": 2}
 
 
@@ -73,10 +72,6 @@ class Timeline:
     def end(self) -> float:
         """The latest slice end (0 when empty)."""
         return max((s.end for s in self.slices), default=0.0)
-
-    def track_slices(self, track: int) -> list[Slice]:
-        """The slices of one track, by start."""
-        return [s for s in self.slices if s.track == track]
 
 
 def slice_kind(s: Slice, track: Track) -> str:
