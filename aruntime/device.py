@@ -135,12 +135,15 @@ class BaseDevice:
         result: Any = None,
         hold: bool = False,
     ) -> Op:
+        """Track the op's hazards and hand it to ``engine`` (see :func:`dispatch_when_ready`)."""
         op = Op(name, (), keep, result)
         deps: list[Op] = []
+        inputs: list[Op] = []
         for buf in reads:
-            buf.log.access(buf.offset, buf.offset + buf.nbytes, False, op, engine, deps)
+            buf.log.access(buf.offset, buf.offset + buf.nbytes, False, True, op, engine, deps, inputs)
         for buf in writes:
-            buf.log.access(buf.offset, buf.offset + buf.nbytes, True, op, engine, deps)
+            buf.log.access(buf.offset, buf.offset + buf.nbytes, True, False, op, engine, deps, inputs)
+        op.inputs = inputs
         if not deps:
             return engine.push(body, op)
         op.deps = deps

@@ -77,15 +77,30 @@ class Op:
     Its ``value`` is then :data:`HELD`.
 
     What an engine uses: ``cmds`` (the commands to run, until done), ``deps``
-    (ops it depends on; see :func:`check_deps`), ``value`` (the engine signal
+    (ops it is ordered after), ``inputs`` (ops whose output it consumes; see
+    :func:`check_deps`), ``value`` (the engine signal
     value that marks it done), ``engine``, and ``error`` (set when it fails).
     """
 
-    __slots__ = ("cmds", "deps", "engine", "error", "id", "keep", "later", "name", "observed", "result", "value")
+    __slots__ = (
+        "cmds",
+        "deps",
+        "engine",
+        "error",
+        "id",
+        "inputs",
+        "keep",
+        "later",
+        "name",
+        "observed",
+        "result",
+        "value",
+    )
 
     def __init__(self, name: str, deps: Sequence[Op] = (), keep: Any = None, result: Any = None) -> None:
         self.name = name
         self.deps = deps
+        self.inputs: Sequence[Op] = ()
         self.keep = keep
         self.result = result
         self.error: BaseException | None = None
@@ -239,7 +254,7 @@ class Engine:
             op.error = error
             self.failed.append(op)
         op.keep = op.cmds = None
-        op.deps = ()
+        op.deps = op.inputs = ()
         self.signal.set(op.value)
 
     def take_failures(self) -> list[Op]:
@@ -252,8 +267,8 @@ class Engine:
 
 
 def check_deps(op: Op) -> None:
-    """Raise :class:`DependencyError` if an op that ``op`` depends on failed (engines call it before running)."""
-    for dep in op.deps:
+    """Raise :class:`DependencyError` if an op whose output ``op`` consumes failed (engines call it before running)."""
+    for dep in op.inputs:
         error = dep.error
         if error is not None:
             first = error.first if isinstance(error, DependencyError) else dep.name
@@ -296,7 +311,7 @@ class ThreadEngine(Engine):
 
     def _execute(self, op: Op) -> None:
         assert op.cmds is not None
-        checked = not op.deps
+        checked = not op.inputs
         cmds = op.cmds
         for i, cmd in enumerate(cmds):
             kind = cmd[0]

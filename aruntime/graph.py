@@ -67,7 +67,7 @@ class _Plan:
     needed: frozenset[str]  # the copy-in sources and Params every replay must name
     outputs: frozenset[str]  # the copy-out destinations a replay may name
     steps: dict[Engine, list[_Step]]  # what each engine's command queue is made of, in order
-    accesses: list[tuple[Engine, Buffer, bool]]  # (engine, buffer, writes) of every entry, for hazard tracking
+    accesses: list[tuple[Engine, Buffer, bool, bool]]  # (engine, buffer, writes) of every entry, for hazard tracking
 
 
 def _overlaps(a: Buffer, b: Buffer) -> bool:
@@ -190,12 +190,14 @@ class Graph:
             for engine, indices in order.items()
         }
         strongest: dict[tuple[Engine, int], tuple[Buffer, bool]] = {}  # one access per engine and buffer
+        consumes: dict[int, bool] = {}  # whether the graph's first access to a buffer uses its contents
         for i, e in enumerate(entries):
             for bufs, write in ((e.reads, False), (e.writes, True)):
                 for b in bufs:
                     key = (engines[i], id(b))
                     strongest[key] = (b, write or strongest.get(key, (b, False))[1])
-        accesses = [(engine, b, write) for (engine, _), (b, write) in strongest.items()]
+                    consumes.setdefault(id(b), not write)
+        accesses = [(engine, b, write, consumes[id(b)]) for (engine, _), (b, write) in strongest.items()]
         return _Plan(list(order), engines, tuple(deps), progress, frozenset(needed), outputs, steps, accesses)
 
     def _place(self, deps: list[tuple[int, ...]]) -> list[Engine]:
@@ -320,13 +322,15 @@ class Graph:
     ) -> list[Op]:
         ops = {e: Op(f"graph#{self.id} replay {run_index} on {e.signal.name}", (), keep) for e in plan.engines}
         deps: dict[Engine, list[Op]] = {e: [] for e in plan.engines}
-        for engine, b, write in plan.accesses:
+        inputs: dict[Engine, list[Op]] = {e: [] for e in plan.engines}
+        for engine, b, write, uses in plan.accesses:
             if subst:
                 b = subst.get(id(b), b)
-            b.log.access(b.offset, b.offset + b.nbytes, write, ops[engine], engine, deps[engine])
+            b.log.access(b.offset, b.offset + b.nbytes, write, uses, ops[engine], engine, deps[engine], inputs[engine])
         mine = set(ops.values())
         for engine in plan.engines:
             ops[engine].deps = [d for d in deps[engine] if d not in mine]
+            ops[engine].inputs = [d for d in inputs[engine] if d not in mine]
         # all engines' parts go together, once every outside dependency is on its queue: their progress
         # waits on one another must never sit in front of an outside op they depend on
         dispatch_when_ready([(engine, bodies[engine], ops[engine]) for engine in plan.engines], hold=False)

@@ -13,11 +13,19 @@ class AccessLog:
 
     A new access conflicts with an in-flight one when their byte ranges overlap
     and at least one of them writes (read-after-write, write-after-read,
-    write-after-write). The log stays short: entries of finished ops are
-    dropped, and so is every entry that a newer access both covers and is
-    ordered after (a write after anything it conflicts with; a read after a
-    read already handed to the same engine, which runs in order), since waiting
-    for the newer access then implies the older one is done.
+    write-after-write): it must be ordered after it. The log stays short:
+    entries of finished ops are dropped, and so is every entry that a newer
+    access both covers and is ordered after (a write after anything it
+    conflicts with; a read after a read already handed to the same engine,
+    which runs in order), since waiting for the newer access then implies the
+    older one is done.
+
+    A write that *failed* stays in the log, finished or not, until a newer
+    write covers it: the bytes it should have written are not valid, so an op
+    that reads them is given the failed op as an *input*, and fails with a
+    :class:`~aruntime.errors.DependencyError` naming it. An op that writes them
+    (a copy-in, a transfer, a kernel's output: a kernel's ``outs`` count as
+    overwritten) does not inherit the failure, and makes them valid again.
     """
 
     __slots__ = ("entries",)
@@ -25,15 +33,36 @@ class AccessLog:
     def __init__(self) -> None:
         self.entries: list[tuple[int, int, bool, Op]] = []
 
-    def access(self, start: int, end: int, write: bool, op: Op, engine: Engine, deps: list[Op]) -> None:
-        """Record that ``op``, bound for ``engine``, accesses [start, end); add the ops it must wait for to ``deps``."""
+    def access(
+        self,
+        start: int,
+        end: int,
+        write: bool,
+        consumes: bool,
+        op: Op,
+        engine: Engine,
+        deps: list[Op],
+        inputs: list[Op],
+    ) -> None:
+        """Record that ``op``, bound for ``engine``, accesses [start, end).
+
+        Adds the ops it must be ordered after to ``deps``, and, when it
+        ``consumes`` the bytes (reads them), the ops that write them to ``inputs``.
+        """
         live = []
         for entry in self.entries:
             s, e, w, other = entry
+            overlap = s < end and start < e
             if other.done():
-                continue
-            if (write or w) and s < end and start < e and other not in deps and other is not op:
-                deps.append(other)
+                if not (w and other.error is not None):
+                    continue  # finished and valid: nothing to order after or to inherit
+                if consumes and overlap and other not in inputs:
+                    inputs.append(other)
+            else:
+                if (write or w) and overlap and other not in deps and other is not op:
+                    deps.append(other)
+                if consumes and w and overlap and other not in inputs and other is not op:
+                    inputs.append(other)
             if not (start <= s and e <= end and (write or (not w and other.engine is engine and other.dispatched))):
                 live.append(entry)
         live.append((start, end, write, op))
@@ -48,5 +77,5 @@ class AccessLog:
 
     def pending(self) -> list[Op]:
         """The ops still in flight on this buffer."""
-        self.entries = [e for e in self.entries if not e[3].done()]
-        return [e[3] for e in self.entries]
+        self.entries = [e for e in self.entries if not e[3].done() or (e[2] and e[3].error is not None)]
+        return [e[3] for e in self.entries if not e[3].done()]

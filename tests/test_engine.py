@@ -10,7 +10,16 @@ from typing import Any
 import anyio
 import pytest
 
-from aruntime import BufferUsageError, CompileError, Device, DeviceError, OpError, SignalTimeout, dtypes
+from aruntime import (
+    BufferUsageError,
+    CompileError,
+    DependencyError,
+    Device,
+    DeviceError,
+    OpError,
+    SignalTimeout,
+    dtypes,
+)
 from aruntime.device import BaseDevice, Program
 from aruntime.events import DependencyEvent, RangeEvent, recorder
 from aruntime.signal import TimelineSignal
@@ -359,3 +368,25 @@ async def test_a_cross_queue_wait_is_recorded_as_a_dependency() -> None:
         recorder.enabled = False
     deps = [e for e in recorder.events[mark:] if isinstance(e, DependencyEvent)]
     assert deps == [DependencyEvent(kernel.id, reader.id)]
+
+
+async def test_bytes_of_a_failed_write_stay_invalid_until_written_again() -> None:
+    dev = Device["CPU:2"]
+    buf = await dev.allocate(16)
+    other = await dev.allocate(16)
+    await dev.copyin(other, bytes(range(16)))
+    with pytest.raises(OpError, match="kernel blew up"):
+        await dev.launch(_Failing(dev, "producer", b""), buf)  # finished (and failed) before what follows
+    with pytest.raises(DependencyError, match="depends on producer, which failed"):
+        await dev.copyout(buf)  # reads what the failed op should have written
+    with pytest.raises(DependencyError, match="producer"):
+        await dev.transfer(other, buf)
+    with pytest.raises(DependencyError, match="producer"):
+        await dev.copyout(other)  # the transfer that should have written it failed in turn
+    await dev.copyin(buf, b"k" * 16)  # a write makes the bytes valid again
+    assert bytes(await dev.copyout(buf)) == b"k" * 16
+    await dev.copyin(other, b"j" * 16)
+    assert bytes(await dev.copyout(other)) == b"j" * 16
+    await dev.synchronize()
+    await dev.free(buf)
+    await dev.free(other)
