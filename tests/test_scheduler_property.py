@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from aruntime import Buffer, Device, Program, dtypes
+from aruntime.graph import Graph
 from aruntime.scheduler import Scheduler
 from tests.kernels import ACCUMULATE, AFFINE
 
@@ -94,24 +95,60 @@ HELD_READ_THEN_WRITE: Case = (  # a held transfer reads b1; a later read of b1 m
 )
 
 
-@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
-@example(case=HELD_READ_THEN_WRITE)
-@given(case=programs())
-async def test_random_programs_match_sequential_reference(
-    case: tuple[int, list[int], list[tuple[object, ...]], int],
-) -> None:
-    n_dev, homes, ops, window = case
+def reference(ref: list[bytearray], ops: list[tuple[object, ...]]) -> list[bytes]:
+    """Apply ``ops`` to ``ref`` one after another, as plain Python; the bytes each copy-out sees."""
+    seen: list[bytes] = []
+    for op in ops:
+        kind = op[0]
+        if kind == "copyin":
+            r, data = op[1], op[2]
+            assert isinstance(r, Region) and isinstance(data, bytes)
+            ref[r.buf][r.offset : r.offset + r.length] = data
+        elif kind == "affine":
+            r, a, c = op[1], op[2], op[3]
+            assert isinstance(r, Region) and isinstance(a, int) and isinstance(c, int)
+            seg = ref[r.buf]
+            for i in range(r.offset, r.offset + r.length):
+                seg[i] = (seg[i] * a + c) & 0xFF
+        elif kind == "accumulate":
+            o, x = op[1], op[2]
+            assert isinstance(o, Region) and isinstance(x, Region)
+            for i in range(o.length):  # the same element order as the C loop, aliasing included
+                ref[o.buf][o.offset + i] = (ref[o.buf][o.offset + i] + ref[x.buf][x.offset + i]) & 0xFF
+        elif kind == "copyout":
+            r = op[1]
+            assert isinstance(r, Region)
+            seen.append(bytes(ref[r.buf][r.offset : r.offset + r.length]))
+        else:
+            dst, src = op[1], op[2]
+            assert isinstance(dst, Region) and isinstance(src, Region)
+            ref[dst.buf][dst.offset : dst.offset + dst.length] = bytes(
+                ref[src.buf][src.offset : src.offset + src.length]
+            )
+    return seen
+
+
+async def setup(
+    n_dev: int, homes: list[int]
+) -> tuple[dict[str, Program], dict[str, Program], list[bytearray], list[Buffer]]:
+    """Kernels for each device, the reference's initial bytes, and device buffers holding them."""
     devs = [Device[name] for name in DEVICES[:n_dev]]
-    affine: dict[str, Program] = {}
-    accumulate: dict[str, Program] = {}
-    for d in devs:
-        affine[d.name] = await d.compile(AFFINE)
-        accumulate[d.name] = await d.compile(ACCUMULATE, outs=(0,))
+    affine = {d.name: await d.compile(AFFINE) for d in devs}
+    accumulate = {d.name: await d.compile(ACCUMULATE, outs=(0,)) for d in devs}
     ref = [bytearray((i * 37 + j) % 251 for j in range(SIZE)) for i in range(len(homes))]
     roots = [await devs[h].allocate(SIZE) for h in homes]
     for root, init in zip(roots, ref, strict=True):
         await root.owner.copyin(root, bytes(init))
-    expected: list[bytes] = []
+    return affine, accumulate, ref, roots
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@example(case=HELD_READ_THEN_WRITE)
+@given(case=programs())
+async def test_random_programs_match_sequential_reference(case: Case) -> None:
+    n_dev, homes, ops, window = case
+    affine, accumulate, ref, roots = await setup(n_dev, homes)
+    expected = reference(ref, ops)
     handles = []
     with anyio.fail_after(60):
         async with Scheduler(window=window) as sched:
@@ -119,39 +156,72 @@ async def test_random_programs_match_sequential_reference(
                 kind = op[0]
                 if kind == "copyin":
                     r, data = op[1], op[2]
-                    assert isinstance(r, Region) and isinstance(data, bytes)
+                    assert isinstance(r, Region)
                     await sched.copyin(view_of(roots, r), data)
-                    ref[r.buf][r.offset : r.offset + r.length] = data
                 elif kind == "affine":
                     r, a, c = op[1], op[2], op[3]
                     assert isinstance(r, Region) and isinstance(a, int) and isinstance(c, int)
-                    dev = roots[r.buf].device
-                    await sched.launch(affine[dev], view_of(roots, r), vals=(r.length, a, c))
-                    seg = ref[r.buf]
-                    for i in range(r.offset, r.offset + r.length):
-                        seg[i] = (seg[i] * a + c) & 0xFF
+                    await sched.launch(affine[roots[r.buf].device], view_of(roots, r), vals=(r.length, a, c))
                 elif kind == "accumulate":
                     o, x = op[1], op[2]
                     assert isinstance(o, Region) and isinstance(x, Region)
-                    dev = roots[o.buf].device
-                    await sched.launch(accumulate[dev], view_of(roots, o), view_of(roots, x), vals=(o.length,))
-                    for i in range(o.length):  # the same element order as the C loop, aliasing included
-                        ref[o.buf][o.offset + i] = (ref[o.buf][o.offset + i] + ref[x.buf][x.offset + i]) & 0xFF
+                    prog = accumulate[roots[o.buf].device]
+                    await sched.launch(prog, view_of(roots, o), view_of(roots, x), vals=(o.length,))
                 elif kind == "copyout":
                     r = op[1]
                     assert isinstance(r, Region)
                     handles.append(await sched.copyout(view_of(roots, r)))
-                    expected.append(bytes(ref[r.buf][r.offset : r.offset + r.length]))
                 else:
                     dst, src = op[1], op[2]
                     assert isinstance(dst, Region) and isinstance(src, Region)
-                    src_view = view_of(roots, src)
-                    await sched.transfer(view_of(roots, dst), src_view)
-                    ref[dst.buf][dst.offset : dst.offset + dst.length] = bytes(
-                        ref[src.buf][src.offset : src.offset + src.length]
-                    )
+                    await sched.transfer(view_of(roots, dst), view_of(roots, src))
         got = [bytes(await h) for h in handles]
         assert got == expected
+        finals = [bytes(await root.owner.copyout(root)) for root in roots]
+    assert finals == [bytes(r) for r in ref]
+    for root in roots:
+        await root.owner.free(root)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@example(case=HELD_READ_THEN_WRITE)
+@given(case=programs())
+async def test_random_graphs_replayed_twice_match_sequential_reference(case: Case) -> None:
+    n_dev, homes, ops, _ = case
+    affine, accumulate, ref, roots = await setup(n_dev, homes)
+    graph = Graph()
+    inputs: dict[str, bytes] = {}
+    outputs: list[str] = []
+    for k, op in enumerate(ops):
+        kind = op[0]
+        if kind == "copyin":
+            r, data = op[1], op[2]
+            assert isinstance(r, Region) and isinstance(data, bytes)
+            graph.copyin(view_of(roots, r), f"in{k}")
+            inputs[f"in{k}"] = data
+        elif kind == "affine":
+            r, a, c = op[1], op[2], op[3]
+            assert isinstance(r, Region) and isinstance(a, int) and isinstance(c, int)
+            graph.launch(affine[roots[r.buf].device], view_of(roots, r), vals=(r.length, a, c))
+        elif kind == "accumulate":
+            o, x = op[1], op[2]
+            assert isinstance(o, Region) and isinstance(x, Region)
+            graph.launch(accumulate[roots[o.buf].device], view_of(roots, o), view_of(roots, x), vals=(o.length,))
+        elif kind == "copyout":
+            r = op[1]
+            assert isinstance(r, Region)
+            graph.copyout(view_of(roots, r), f"out{k}")
+            outputs.append(f"out{k}")
+        else:
+            dst, src = op[1], op[2]
+            assert isinstance(dst, Region) and isinstance(src, Region)
+            graph.transfer(view_of(roots, dst), view_of(roots, src))
+    first, second = reference(ref, ops), reference(ref, ops)
+    with anyio.fail_after(60):
+        runs = [graph.replay(**inputs), graph.replay(**inputs)]  # both in flight: the second sees the first's state
+        results = [await run for run in runs]
+        assert [bytes(results[0][name]) for name in outputs] == first
+        assert [bytes(results[1][name]) for name in outputs] == second
         finals = [bytes(await root.owner.copyout(root)) for root in roots]
     assert finals == [bytes(r) for r in ref]
     for root in roots:
