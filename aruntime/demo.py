@@ -67,6 +67,7 @@ class DemoConfig:
     """What the demo runs: sizes, devices, event loop and where it writes."""
 
     size_mb: int = 256
+    batches: int = 0  # 0: as many as fill size_mb
     batch_rows: int = 256
     cols: int = 4096
     devices: int = 0  # 0: one CPU device per core
@@ -75,6 +76,10 @@ class DemoConfig:
     out_dir: Path = field(default_factory=lambda: Path("aruntime-demo"))
     progress: bool = True
     seed: int = 1234
+
+
+def _batch_count(config: DemoConfig) -> int:
+    return config.batches or max(1, (config.size_mb << 20) // (config.batch_rows * config.cols))
 
 
 @dataclass
@@ -159,7 +164,7 @@ def _check_rows(n_rows: int, index: int, count: int) -> list[int]:
 async def run_pipeline(config: DemoConfig, on_batch: Any = None) -> DemoResult:
     """Write the dataset, stream it through every CPU device, verify it; ``on_batch(n)`` reports progress."""
     batch_bytes = config.batch_rows * config.cols
-    n_batches = max(1, (config.size_mb << 20) // batch_bytes)
+    n_batches = _batch_count(config)
     dataset = (config.out_dir / "dataset.bin").resolve()
     await anyio.to_thread.run_sync(write_dataset, dataset, n_batches * batch_bytes, config.seed)
     try:
@@ -233,6 +238,7 @@ async def run_pipeline(config: DemoConfig, on_batch: Any = None) -> DemoResult:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's command-line options."""
     parser.add_argument("--size-mb", type=int, default=256, help="dataset size in MiB (default 256)")
+    parser.add_argument("--batches", type=int, default=0, help="number of batches (default: enough for --size-mb)")
     parser.add_argument("--batch-rows", type=int, default=256, help="rows per batch (default 256)")
     parser.add_argument("--cols", type=int, default=4096, help="bytes per row (default 4096)")
     parser.add_argument("--devices", type=int, default=0, help="CPU devices to use (default: one per core)")
@@ -246,10 +252,11 @@ def run_demo(args: argparse.Namespace) -> int:
     for name in ("size_mb", "batch_rows", "cols"):
         if getattr(args, name) <= 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be positive")
-    if args.devices < 0:
-        raise SystemExit("--devices must be >= 0")
+    if args.devices < 0 or args.batches < 0:
+        raise SystemExit("--devices and --batches must be >= 0")
     config = DemoConfig(
         size_mb=args.size_mb,
+        batches=args.batches,
         batch_rows=args.batch_rows,
         cols=args.cols,
         devices=args.devices,
@@ -263,7 +270,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     console = Console()
-    total = max(1, (config.size_mb << 20) // (config.batch_rows * config.cols))
+    total = _batch_count(config)
     with Progress(
         TextColumn("[bold]pipeline"),
         BarColumn(),

@@ -51,9 +51,22 @@ def test_a_wrong_kernel_fails_the_demo(tmp_path: Path, monkeypatch: pytest.Monke
     assert wrong != demo.KERNEL
     monkeypatch.setattr(demo, "KERNEL", wrong)
     args = argparse.Namespace(
-        size_mb=2, batch_rows=64, cols=1024, devices=2, loop="asyncio", out=tmp_path, no_progress=True
+        size_mb=2, batches=0, batch_rows=64, cols=1024, devices=2, loop="asyncio", out=tmp_path, no_progress=True
     )
     assert demo.run_demo(args) == 1
+
+
+def test_batches_option_sets_the_number_of_batches(tmp_path: Path) -> None:
+    options = ["--batches", "6", "--batch-rows", "16", "--cols", "256", "--devices", "2", "--no-progress"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "aruntime", "demo", *options, "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("6 batches")
+    assert (tmp_path / "dataset.bin").stat().st_size == 6 * 16 * 256
 
 
 def test_bad_options_are_refused(tmp_path: Path) -> None:
