@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import array
+import os
+import tempfile
 from dataclasses import dataclass
 
 import anyio
 
+from aruntime.buffer import Buffer
 from aruntime.device import Device
 from aruntime.dtype import dtypes
 
@@ -30,10 +33,7 @@ class KindResult:
 
 async def _double(kind: str) -> list[int]:
     dev = Device[kind]
-    source = DOUBLE_SOURCES.get(kind)
-    if source is None:
-        raise NotImplementedError(f"no check kernel in {kind}'s kernel language")
-    prog = await dev.compile(source, outs=(0,))
+    prog = await dev.compile(DOUBLE_SOURCES[kind], outs=(0,))
     x = await dev.allocate(3, dtypes.int32)
     out = await dev.allocate(3, dtypes.int32)
     try:
@@ -45,15 +45,34 @@ async def _double(kind: str) -> list[int]:
         await dev.free(out)
 
 
+def _open_file_backed(kind: str) -> None:
+    """Open a file-backed kind on a temporary file and store a few bytes in it."""
+    with tempfile.TemporaryDirectory(prefix="aruntime-check-") as tmp:
+        dev = Device[f"{kind}:{os.path.join(tmp, 'check.bin')}"]
+        try:
+            buf = Buffer(dev.name, 16).allocate()
+            buf.copyin(memoryview(bytes(range(16))))
+            if bytes(buf.as_buffer()) != bytes(range(16)):
+                raise RuntimeError("the bytes stored did not read back")
+            buf.deallocate()
+        finally:
+            dev.close()
+
+
 def check_kind(kind: str, default: str | None) -> KindResult:
     """Open ``kind`` and run the doubling kernel on it."""
     is_default = kind == default
     try:
-        if Device.backend(kind).file_backed:
+        cls = Device.backend(kind)
+        if cls.file_backed:
+            _open_file_backed(kind)
             return KindResult(kind, is_default, True, False, "file-backed: stores data, runs no kernels")
-        Device[kind]
+        dev = Device[kind]
     except Exception as exc:
         return KindResult(kind, is_default, False, False, f"open failed: {exc}")
+    if kind not in DOUBLE_SOURCES:
+        what = (type(dev).__doc__ or "").strip().splitlines()[0:1]
+        return KindResult(kind, is_default, True, False, " ".join(["no check kernel for this kind.", *what]))
     try:
         got = anyio.run(_double, kind)
     except Exception as exc:
