@@ -45,7 +45,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +54,7 @@ import anyio
 from aruntime import Buffer, Device, Program, dtypes
 from aruntime.scheduler import Scheduler
 from benchmarks.bench_engine import BareWorker
-from benchmarks.common import Result, result, settings, timed
+from benchmarks.common import Result, burst, result, settings, timed
 from benchmarks.peers import setup_tinygrad
 
 # ---- the kernels ----------------------------------------------------------------------------------------------------
@@ -282,31 +282,6 @@ async def measure_pipeline(case: Case, repeats: int) -> dict[str, Any]:
     }
 
 
-async def _burst(tasks: int, handle: Callable[[int], Awaitable[object]]) -> tuple[float, list[float]]:
-    """Start ``tasks`` tasks on one gate and open it: seconds until all are done, and each one's latency from then."""
-    gate, all_ready = anyio.Event(), anyio.Event()
-    done_at = [0.0] * tasks
-    ready = 0
-    begin = 0.0
-
-    async def one(i: int) -> None:
-        nonlocal ready
-        ready += 1
-        if ready == tasks:
-            all_ready.set()
-        await gate.wait()
-        await handle(i)
-        done_at[i] = time.perf_counter()
-
-    async with anyio.create_task_group() as tg:
-        for i in range(tasks):
-            tg.start_soon(one, i)
-        await all_ready.wait()
-        begin = time.perf_counter()
-        gate.set()
-    return time.perf_counter() - begin, [t - begin for t in done_at]
-
-
 async def measure_serving(tasks: int, n: int, repeats: int) -> dict[str, Any]:
     """``tasks`` concurrent requests (copy-in, kernel, awaited copy-out) through a Scheduler on CPU."""
     source = serving_kernel(n)
@@ -324,16 +299,16 @@ async def measure_serving(tasks: int, n: int, repeats: int) -> dict[str, Any]:
         await sched.launch(prog, ys[i], xs[i])
         await (await sched.copyout(ys[i], outs[i]))
 
-    async def burst() -> tuple[float, list[float]]:
+    async def scheduled_burst() -> tuple[float, list[float]]:
         nonlocal sched
         async with Scheduler() as sched:
-            return await _burst(tasks, scheduled)
+            return await burst(tasks, scheduled)
 
-    await burst()  # warm-up
+    await scheduled_burst()  # warm-up
     seconds: list[float] = []
     latencies: list[float] = []
     for _ in range(repeats):
-        took, lat = await burst()
+        took, lat = await scheduled_burst()
         seconds.append(took)
         latencies.extend(lat)
     verified = all(memoryview(outs[i]).cast("f")[n - 1] == 2.0 * i for i in range(tasks))

@@ -37,7 +37,7 @@ from aruntime.device import BaseDevice
 from aruntime.events import RangeEvent, recorder
 from aruntime.graph import Graph
 from aruntime.scheduler import Scheduler
-from benchmarks.common import Result, result, settings, timed
+from benchmarks.common import Result, burst, result, settings, timed
 
 # ---- shared helpers -------------------------------------------------------------------------------------------------
 
@@ -308,31 +308,6 @@ REQUEST = 256
 """Floats per request."""
 
 
-async def _burst(tasks: int, handle: Callable[[int], Awaitable[object]]) -> tuple[float, list[float]]:
-    """Start ``tasks`` tasks blocked on one gate, open it; seconds until all are done, and each one's latency."""
-    gate, all_ready = anyio.Event(), anyio.Event()
-    latencies = [0.0] * tasks
-    ready = 0
-
-    async def one(i: int) -> None:
-        nonlocal ready
-        ready += 1
-        if ready == tasks:
-            all_ready.set()
-        await gate.wait()
-        start = time.perf_counter()
-        await handle(i)
-        latencies[i] = time.perf_counter() - start
-
-    async with anyio.create_task_group() as tg:
-        for i in range(tasks):
-            tg.start_soon(one, i)
-        await all_ready.wait()
-        begin = time.perf_counter()
-        gate.set()
-    return time.perf_counter() - begin, latencies
-
-
 async def scheduler_serving() -> list[Result]:
     """1000 concurrent copy-in -> launch -> copy-out requests vs the same calls through anyio.to_thread.run_sync."""
     quick = settings.quick
@@ -373,12 +348,12 @@ async def scheduler_serving() -> list[Result]:
     async def scheduled_burst() -> tuple[float, list[float]]:
         nonlocal sched
         async with Scheduler() as sched:
-            return await _burst(TASKS, scheduled)
+            return await burst(TASKS, scheduled)
 
     variants: dict[str, Callable[[], Awaitable[tuple[float, list[float]]]]] = {
-        "runtime": lambda: _burst(TASKS, runtime),
+        "runtime": lambda: burst(TASKS, runtime),
         "scheduler": scheduled_burst,
-        "to_thread": lambda: _burst(TASKS, threaded),
+        "to_thread": lambda: burst(TASKS, threaded),
     }
     for key, run in variants.items():  # warm-up (threads started, code paths hot) that checks every result
         for out in outs:

@@ -16,6 +16,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
+
 Result = dict[str, Any]
 Benchmark = Callable[[], Awaitable[list[Result]]]
 
@@ -89,3 +91,28 @@ async def interleaved(
         ours_s.append(await timed(ours))
         base_s.append(await timed(base))
     return statistics.median(ours_s), statistics.median(base_s)
+
+
+async def burst(tasks: int, handle: Callable[[int], Awaitable[object]]) -> tuple[float, list[float]]:
+    """Start ``tasks`` tasks blocked on one gate, open it; seconds until all are done, and each one's latency."""
+    gate, all_ready = anyio.Event(), anyio.Event()
+    latencies = [0.0] * tasks
+    ready = 0
+
+    async def one(i: int) -> None:
+        nonlocal ready
+        ready += 1
+        if ready == tasks:
+            all_ready.set()
+        await gate.wait()
+        start = time.perf_counter()
+        await handle(i)
+        latencies[i] = time.perf_counter() - start
+
+    async with anyio.create_task_group() as tg:
+        for i in range(tasks):
+            tg.start_soon(one, i)
+        await all_ready.wait()
+        begin = time.perf_counter()
+        gate.set()
+    return time.perf_counter() - begin, latencies
