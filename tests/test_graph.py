@@ -7,7 +7,7 @@ import array
 import anyio
 import pytest
 
-from aruntime import BufferUsageError, Device, OpError, Program, dtypes
+from aruntime import Buffer, BufferUsageError, Device, OpError, Program, dtypes
 from aruntime.events import GraphEvent, recorder
 from aruntime.graph import Graph, Param
 from aruntime.scheduler import Scheduler
@@ -26,14 +26,20 @@ def values(data: bytes | bytearray) -> set[float]:
     return set(array.array("f", bytes(data)))
 
 
+def scale_graph(prog: Program, y: Buffer, x: Buffer, scale: float | Param) -> Graph:
+    """copy-in "x" -> y = x * scale -> copy-out "y"."""
+    graph = Graph()
+    graph.copyin(x, "x")
+    graph.launch(prog, y, x, vals=(N, scale))
+    graph.copyout(y, "y")
+    return graph
+
+
 async def test_replay_with_new_inputs_params_and_buffers() -> None:
     dev = Device["CPU"]
     prog = await dev.compile(SCALE, outs=(0,))
     x, y = await dev.allocate(N, dtypes.float32), await dev.allocate(N, dtypes.float32)
-    graph = Graph()
-    graph.copyin(x, "x")
-    graph.launch(prog, y, x, vals=(N, Param("scale")))
-    graph.copyout(y, "y")
+    graph = scale_graph(prog, y, x, Param("scale"))
     for k in range(4):
         result = await graph.replay(x=floats(k), scale=2.0)
         assert values(result["y"]) == {2.0 * k}
@@ -48,10 +54,7 @@ async def test_many_replays_in_flight_keep_their_order() -> None:
     dev = Device["CPU:1"]
     prog = await dev.compile(SCALE, outs=(0,))
     x, y = await dev.allocate(N, dtypes.float32), await dev.allocate(N, dtypes.float32)
-    graph = Graph()
-    graph.copyin(x, "x")
-    graph.launch(prog, y, x, vals=(N, 1.0))
-    graph.copyout(y, "y")
+    graph = scale_graph(prog, y, x, 1.0)
     runs = [graph.replay(x=floats(k)) for k in range(40)]  # all submitted before any is awaited
     for k, run in enumerate(runs):
         assert values((await run)["y"]) == {float(k)}
@@ -103,10 +106,7 @@ async def test_replay_records_a_graph_event() -> None:
     dev = Device["CPU:3"]
     prog = await dev.compile(SCALE, outs=(0,))
     x, y = await dev.allocate(N, dtypes.float32), await dev.allocate(N, dtypes.float32)
-    graph = Graph()
-    graph.copyin(x, "x")
-    graph.launch(prog, y, x, vals=(N, 1.0))
-    graph.copyout(y, "y")
+    graph = scale_graph(prog, y, x, 1.0)
     recorder.enabled = True
     try:
         mark = len(recorder.events)
@@ -162,9 +162,6 @@ async def test_failing_entry_fails_the_replay_without_stalling_other_queues() ->
     graph.copyout(y, "y")  # waits on the copy queue for the failed kernel's progress signal
     with anyio.fail_after(10), pytest.raises(OpError, match="kernel blew up"):
         await graph.replay(x=floats(1))
-    good = Graph()
-    good.copyin(x, "x")
-    good.launch(prog, y, x, vals=(N, 2.0))
-    good.copyout(y, "y")
+    good = scale_graph(prog, y, x, 2.0)
     assert values((await good.replay(x=floats(3)))["y"]) == {6.0}
     await dev.synchronize()
