@@ -252,14 +252,18 @@ class Engine:
                 wrapped.__cause__ = error
                 error = wrapped
             op.error = error
-            self.failed.append(op)
+            with self._lock:
+                self.failed.append(op)
+                if len(self.failed) > 256:  # a server that awaits its ops but never synchronizes: keep the unseen
+                    self.failed = [f for f in self.failed if not f.observed]
         op.keep = op.cmds = None
         op.deps = op.inputs = ()
         self.signal.set(op.value)
 
     def take_failures(self) -> list[Op]:
         """The failed ops nobody awaited since the last call (and forget them)."""
-        failed, self.failed = self.failed, []
+        with self._lock:
+            failed, self.failed = self.failed, []
         return [op for op in failed if not op.observed]
 
     def close(self) -> None:
