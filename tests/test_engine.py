@@ -390,3 +390,13 @@ async def test_bytes_of_a_failed_write_stay_invalid_until_written_again() -> Non
     await dev.synchronize()
     await dev.free(buf)
     await dev.free(other)
+
+
+async def test_awaited_failures_do_not_pile_up_without_synchronize() -> None:
+    dev = Device["CPU:3"]
+    bad = _Failing(dev, "bad", b"")
+    for _ in range(600):
+        with pytest.raises(OpError):
+            await dev.launch(bad)
+    assert len(dev.compute.failed) <= 257  # observed failures are dropped, not kept until a synchronize
+    await dev.synchronize()  # and none is raised again
