@@ -11,7 +11,6 @@ commands on a Python worker thread; a backend with hardware queues subclasses
 
 from __future__ import annotations
 
-import ctypes
 import queue
 import threading
 from collections.abc import Callable, Generator, Sequence
@@ -359,6 +358,3 @@ class ThreadEngine(Engine):
             ranges.starts.append(start)
             ranges.names.append(cmd[1])
             ranges.ops.append(op.id)
-
-
-memmove: CopyFn = ctypes.memmove
