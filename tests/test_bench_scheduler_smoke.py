@@ -6,14 +6,10 @@ Only the shape of the output is checked: timing goals live in the benchmarks, ne
 from __future__ import annotations
 
 import array
-import json
-import math
-import subprocess
-import sys
 from pathlib import Path
 
 from benchmarks.bench_scheduler import BLOCK, _expected, _percentile
-from benchmarks.common import REQUIRED_KEYS
+from tests.bench_rows import quick_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ("scheduler_pipeline", "scheduler_serving", "scheduler_graph_replay")
@@ -32,23 +28,8 @@ ROWS = {
 
 
 def test_scheduler_benchmarks_quick_json() -> None:
-    only = [arg for name in BENCHMARKS for arg in ("--only", name)]
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--json", *only],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
     seen: dict[str, set[str]] = {}
-    for line in proc.stdout.splitlines():
-        row = json.loads(line)
-        assert set(REQUIRED_KEYS) <= set(row), line
-        for key in ("value", "baseline", "ratio"):
-            assert isinstance(row[key], (int, float)) and math.isfinite(row[key]) and row[key] > 0, line
-        assert isinstance(row["name"], str) and isinstance(row["unit"], str) and isinstance(row["goal"], str)
-        assert row["pass"] in (True, False, None)
+    for row in quick_rows(*BENCHMARKS):
         if row["name"].endswith("_throughput"):
             assert 0 < row["p50_ms"] <= row["p99_ms"] and 0 < row["baseline_p50_ms"] <= row["baseline_p99_ms"]
         seen.setdefault(row["name"], set()).add(row["loop"])
