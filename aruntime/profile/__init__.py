@@ -154,10 +154,6 @@ def _drain(dev: BaseDevice, timeout: float | None) -> None:
     dev.settle_blocking(timeout)
 
 
-async def _drain_async(dev: BaseDevice) -> None:
-    await dev.settle()
-
-
 def _finalize(devices: Iterable[BaseDevice], warn: Callable[[str], None] | None = None) -> list[DeviceEvent]:
     """Ask each device for its clock offsets; a device that cannot answer gets zero offsets (and a warning)."""
     out: list[DeviceEvent] = []
@@ -259,18 +255,8 @@ class Profile:
     ) -> None:
         import anyio
 
-        device_events: list[DeviceEvent] = []
-        try:
-            if self.sync:
-                for dev in _opened_devices():
-                    await _drain_async(dev)
-                devices = self._devices_to_finalize()
-                device_events = await anyio.to_thread.run_sync(_finalize, devices)
-        except Exception:
-            if exc is None:
-                raise
-        finally:
-            self._end(device_events)
+        # waiting for the devices blocks: do it on a worker thread, never on the event loop
+        await anyio.to_thread.run_sync(self.__exit__, exc_type, exc, tb)
 
     # results
 
