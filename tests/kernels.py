@@ -1,4 +1,30 @@
-"""C kernels shared by the tests."""
+"""Kernels shared by the tests: C sources, a gate kernel a test opens by hand, and a program that fails."""
+
+from __future__ import annotations
+
+import array
+
+from aruntime import BaseDevice, Buffer, Program, dtypes
+
+SPINS = 4_000_000_000
+"""A gate's spin bound: far more than any test waits (a gate never opened would hang the test's fail_after)."""
+
+
+class Failing(Program):
+    """A program whose every run raises, as a kernel that fails."""
+
+    def __call__(self, *args: object) -> None:
+        raise ArithmeticError("kernel blew up")
+
+
+async def closed_gate(dev: BaseDevice) -> tuple[Program, Buffer]:
+    """The GATE kernel of ``dev`` and its flag, set to 0: launched with ``vals=(flag.handle, SPINS)``, the
+    kernel holds the compute queue until a copy sets the flag."""
+    prog = await dev.compile(GATE, outs=(0,))
+    flag = await dev.allocate(1, dtypes.int32)
+    await dev.copyin(flag, array.array("i", [0]))
+    return prog, flag
+
 
 SCALE = r"""
 #include <stdint.h>

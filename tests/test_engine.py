@@ -23,11 +23,9 @@ from aruntime import (
 from aruntime.device import BaseDevice, Program
 from aruntime.events import DependencyEvent, RangeEvent, recorder
 from aruntime.signal import TimelineSignal
-from tests.kernels import ADD_ONE, GATE, SCALE
+from tests.kernels import ADD_ONE, SCALE, SPINS, Failing, closed_gate
 
 pytestmark = pytest.mark.anyio
-
-SPINS = 4_000_000_000  # far more than any test waits; a gate that is never opened would hang the test's fail_after
 
 
 async def test_signal_wakes_async_waiters_from_a_thread() -> None:
@@ -107,10 +105,8 @@ async def test_devices_are_independent() -> None:
 async def test_compute_and_copy_engines_overlap() -> None:
     """A kernel spins until a copy on the same device's copy engine opens its gate: only overlap ends it."""
     dev = Device["CPU"]
-    gate_prog = await dev.compile(GATE, outs=(0,))
-    flag = await dev.allocate(1, dtypes.int32)
+    gate_prog, flag = await closed_gate(dev)
     out = await dev.allocate(1, dtypes.int32)
-    await dev.copyin(flag, array.array("i", [0]))
     with anyio.fail_after(10):
         kernel = dev.launch(gate_prog, out, vals=(flag.handle, SPINS))
         await anyio.wait_all_tasks_blocked()
@@ -164,14 +160,9 @@ async def test_bad_arguments_raise_before_anything_is_enqueued() -> None:
     assert (dev.compute.last, dev.copy.last) == before
 
 
-class _Failing(Program):
-    def __call__(self, *args: Any) -> None:
-        raise ArithmeticError("kernel blew up")
-
-
 async def test_failure_reaches_awaiter_and_device_stays_usable() -> None:
     dev = Device["CPU"]
-    bad = _Failing(dev, "bad", b"")
+    bad = Failing(dev, "bad", b"")
     good = await dev.compile(ADD_ONE)
     buf = await dev.allocate(4)
     await dev.copyin(buf, bytes(4))
@@ -186,7 +177,7 @@ async def test_failure_reaches_awaiter_and_device_stays_usable() -> None:
 async def test_unawaited_failure_raises_at_synchronize_then_clears() -> None:
     dev = Device["CPU:1"]
     buf = await dev.allocate(4)
-    dev.launch(_Failing(dev, "bad", b""), buf)
+    dev.launch(Failing(dev, "bad", b""), buf)
     with pytest.raises(OpError, match="bad failed on CPU:1 compute queue"):
         await dev.synchronize()
     await dev.synchronize()
@@ -196,7 +187,7 @@ async def test_unawaited_failure_raises_at_synchronize_then_clears() -> None:
 async def test_dependent_op_fails_naming_the_first_failure() -> None:
     dev = Device["CPU"]
     buf = await dev.allocate(4)
-    dev.launch(_Failing(dev, "producer", b""), buf)
+    dev.launch(Failing(dev, "producer", b""), buf)
     with pytest.raises(OpError, match="depends on producer, which failed"):
         await dev.copyout(buf)
     with pytest.raises(OpError, match="producer"):
@@ -208,9 +199,7 @@ async def test_cancelled_wait_leaves_op_running_and_memory_held() -> None:
     gc.collect()  # buffers other tests dropped are released now, not while this test counts
     dev = Device["CPU:7"]  # a device no other test uses: its counters are this test's alone
     alloc = dev.allocator
-    gate = await dev.compile(GATE, outs=(0,))
-    flag = await dev.allocate(1, dtypes.int32)
-    await dev.copyin(flag, array.array("i", [0]))
+    gate, flag = await closed_gate(dev)
     in_use = alloc.in_use
     out = await dev.allocate(1, dtypes.int32)
     op = dev.launch(gate, out, vals=(flag.handle, SPINS))
@@ -290,10 +279,8 @@ async def test_null_device_completes_ops() -> None:
 
 async def test_cross_queue_wait_times_out_naming_device_queue_and_values() -> None:
     dev = Device["CPU:3"]
-    gate = await dev.compile(GATE, outs=(0,))
-    flag = await dev.allocate(1, dtypes.int32)
+    gate, flag = await closed_gate(dev)
     out = await dev.allocate(1 << 15, dtypes.int32)  # too big to ride on the compute queue
-    await dev.copyin(flag, array.array("i", [0]))
     with pytest.raises(ValueError, match="positive number of seconds"):
         dev.timeout = 0
     dev.timeout = 0.2
@@ -315,11 +302,10 @@ async def test_cross_queue_wait_times_out_naming_device_queue_and_values() -> No
 async def test_small_copy_after_a_kernel_rides_on_the_compute_queue() -> None:
     dev = Device["CPU:1"]
     prog = await dev.compile(ADD_ONE)
-    gate = await dev.compile(GATE, outs=(0,))
-    flag, gate_out = await dev.allocate(1, dtypes.int32), await dev.allocate(1, dtypes.int32)
+    gate, flag = await closed_gate(dev)
+    gate_out = await dev.allocate(1, dtypes.int32)
     small = await dev.allocate(1024)
     large = await dev.allocate(dev.inline_copy_max + 1)
-    await dev.copyin(flag, array.array("i", [0]))
     await dev.copyin(small, bytes(1024))
     await dev.copyin(large, bytes(large.nbytes))
     assert dev.copyout(small).engine is dev.copy  # nothing to wait for: the copy queue
@@ -352,10 +338,8 @@ async def test_a_closed_device_is_forgotten_and_reopens() -> None:
 
 async def test_a_cross_queue_wait_is_recorded_as_a_dependency() -> None:
     dev = Device["CPU:2"]
-    gate = await dev.compile(GATE, outs=(0,))
-    flag = await dev.allocate(1, dtypes.int32)
+    gate, flag = await closed_gate(dev)
     out = await dev.allocate(1 << 15, dtypes.int32)  # too big to ride on the compute queue
-    await dev.copyin(flag, array.array("i", [0]))
     recorder.enabled = True
     try:
         mark = len(recorder.events)
@@ -376,7 +360,7 @@ async def test_bytes_of_a_failed_write_stay_invalid_until_written_again() -> Non
     other = await dev.allocate(16)
     await dev.copyin(other, bytes(range(16)))
     with pytest.raises(OpError, match="kernel blew up"):
-        await dev.launch(_Failing(dev, "producer", b""), buf)  # finished (and failed) before what follows
+        await dev.launch(Failing(dev, "producer", b""), buf)  # finished (and failed) before what follows
     with pytest.raises(DependencyError, match="depends on producer, which failed"):
         await dev.copyout(buf)  # reads what the failed op should have written
     with pytest.raises(DependencyError, match="producer"):
@@ -394,7 +378,7 @@ async def test_bytes_of_a_failed_write_stay_invalid_until_written_again() -> Non
 
 async def test_awaited_failures_do_not_pile_up_without_synchronize() -> None:
     dev = Device["CPU:3"]
-    bad = _Failing(dev, "bad", b"")
+    bad = Failing(dev, "bad", b"")
     for _ in range(600):
         with pytest.raises(OpError):
             await dev.launch(bad)

@@ -11,7 +11,7 @@ from aruntime import Buffer, BufferUsageError, Device, OpError, Program, dtypes
 from aruntime.events import GraphEvent, recorder
 from aruntime.graph import Graph, Param
 from aruntime.scheduler import Scheduler
-from tests.kernels import SCALE
+from tests.kernels import SCALE, Failing
 
 pytestmark = pytest.mark.anyio
 
@@ -147,18 +147,13 @@ async def test_replay_runs_independent_entries_of_an_engine_before_waiting_ones(
     assert event.deps == ((), (0,), (1,), (), (3,), (4,), (), (6,), (7,))
 
 
-class _Failing(Program):
-    def __call__(self, *args: object) -> None:
-        raise ArithmeticError("kernel blew up")
-
-
 async def test_failing_entry_fails_the_replay_without_stalling_other_queues() -> None:
     dev = Device["CPU:2"]
     prog = await dev.compile(SCALE, outs=(0,))
     x, y = await dev.allocate(N, dtypes.float32), await dev.allocate(N, dtypes.float32)
     graph = Graph()
     graph.copyin(x, "x")
-    graph.launch(_Failing(dev, "broken", b""), y, x, outs=(0,))
+    graph.launch(Failing(dev, "broken", b""), y, x, outs=(0,))
     graph.copyout(y, "y")  # waits on the copy queue for the failed kernel's progress signal
     with anyio.fail_after(10), pytest.raises(OpError, match="kernel blew up"):
         await graph.replay(x=floats(1))

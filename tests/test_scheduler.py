@@ -10,23 +10,14 @@ import pytest
 
 from aruntime import DependencyError, Device, OpError, Program, dtypes
 from aruntime.scheduler import Scheduler
-from tests.kernels import ADD_ONE, GATE, SCALE
+from tests.kernels import ADD_ONE, SCALE, SPINS, Failing, closed_gate
 
 pytestmark = pytest.mark.anyio
-
-SPINS = 4_000_000_000
-
-
-class _Failing(Program):
-    def __call__(self, *args: Any) -> None:
-        raise ArithmeticError("kernel blew up")
 
 
 async def _gate(dev_name: str) -> tuple[Any, Any, Program]:
     dev = Device[dev_name]
-    prog = await dev.compile(GATE, outs=(0,))
-    flag = await dev.allocate(1, dtypes.int32)
-    await dev.copyin(flag, array.array("i", [0]))
+    prog, flag = await closed_gate(dev)
     return dev, flag, prog
 
 
@@ -77,7 +68,7 @@ async def test_full_window_makes_enqueue_wait() -> None:
 async def test_failure_fails_dependents_spares_independents_and_raises_on_exit() -> None:
     dev = Device["CPU"]
     add = await dev.compile(ADD_ONE)
-    bad = _Failing(dev, "broken", b"")
+    bad = Failing(dev, "broken", b"")
     a = await dev.allocate(4)
     b = await dev.allocate(4)
     await dev.copyin(b, bytes(4))
@@ -215,7 +206,7 @@ async def test_held_op_behind_a_failure_fails_with_the_first_cause() -> None:
     buf = await dev.allocate(1 << 17)  # too big to ride on the compute queue
     with pytest.raises(OpError, match="kernel blew up"):
         async with Scheduler() as sched:
-            await sched.launch(_Failing(dev, "broken", b""), buf)
+            await sched.launch(Failing(dev, "broken", b""), buf)
             reader = await sched.copyout(buf)
             with pytest.raises(DependencyError, match="depends on broken"):
                 await reader
