@@ -225,14 +225,15 @@ async def run_pipeline(config: DemoConfig, on_batch: Any = None) -> DemoResult:
                 sum_op = await sched.copyout(s)
                 await send.send((index, out_op, sum_op))
     seconds = time.perf_counter() - start
-    trace = prof.save(config.out_dir / "trace.json")
+    trace = await anyio.to_thread.run_sync(prof.save, config.out_dir / "trace.json")  # file writes: off the loop
     timeline = await anyio.to_thread.run_sync(write_html, trace)
+    summary = await anyio.to_thread.run_sync(prof.summary)
     for dev, dev_slots in zip(devices, slots, strict=True):
         for bufs in dev_slots:
             for buf in bufs:
                 await dev.free(buf)
     source.deallocate()
-    return DemoResult(n_batches, n_batches * batch_bytes, seconds, mismatches, dataset, trace, timeline, prof.summary())
+    return DemoResult(n_batches, n_batches * batch_bytes, seconds, mismatches, dataset, trace, timeline, summary)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
