@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+import ctypes
 import gc
 import threading
 from typing import Any
@@ -21,6 +22,7 @@ from aruntime import (
     dtypes,
 )
 from aruntime.device import BaseDevice, Program
+from aruntime.engine import CommandQueue, Op
 from aruntime.events import DependencyEvent, RangeEvent, recorder
 from aruntime.signal import TimelineSignal
 from tests.kernels import ADD_ONE, SCALE, SPINS, Failing, closed_gate
@@ -384,3 +386,33 @@ async def test_awaited_failures_do_not_pile_up_without_synchronize() -> None:
             await dev.launch(bad)
     assert len(dev.compute.failed) <= 257  # observed failures are dropped, not kept until a synchronize
     await dev.synchronize()  # and none is raised again
+
+
+async def test_a_chained_command_queue_runs_as_one_unit_in_order() -> None:
+    """wait, timestamp, copy, exec, signal: one submission, run in order on the engine's thread."""
+    dev = Device["CPU:1"]
+    prog = await dev.compile(ADD_ONE)
+    buf = await dev.allocate(8)
+    src = bytearray(b"\x05" * 8)
+    gate = TimelineSignal("test gate", timeout=5)
+    done = TimelineSignal("test done", timeout=5)
+    stamps: list[float] = []
+    cq = (
+        CommandQueue()
+        .wait(gate, 1)
+        .timestamp(stamps)
+        .copy("fill", ctypes.memmove, buf.handle, ctypes.addressof(ctypes.c_char.from_buffer(src)), 8)
+        .exec("add one", prog.call, prog.args([buf.handle], [8]))
+        .timestamp(stamps)
+        .signal(done, 1)
+    )
+    op = dev.compute.submit(cq, Op("chained", keep=(src, buf)))
+    with anyio.fail_after(10):
+        await anyio.wait_all_tasks_blocked()
+        assert not op.done() and not stamps  # held by its first command
+        gate.set(1)
+        await op
+        await done.wait_async(1)
+    assert len(stamps) == 2 and stamps[0] <= stamps[1]
+    assert bytes(await dev.copyout(buf)) == b"\x06" * 8
+    await dev.free(buf)
