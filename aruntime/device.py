@@ -21,7 +21,7 @@ from aruntime.dtype import DType, dtypes
 from aruntime.engine import COPY, EXEC, Command, CommandQueue, CopyFn, Engine, Op, ThreadEngine
 from aruntime.errors import BufferUsageError, DeviceError
 from aruntime.events import DependencyEvent, DeviceEvent, recorder
-from aruntime.helpers import Pinned, after_all, canonicalize, getenv
+from aruntime.helpers import after_all, canonicalize, getenv, pin
 
 PRIORITY = ("CUDA", "CL", "CPU")
 """Kinds tried in order for the default device (file-backed kinds and NULL are never the default)."""
@@ -169,25 +169,24 @@ class BaseDevice:
         ops go first (see :func:`dispatch_when_ready`).
         """
         self._check(buf, "copyin")
-        src = Pinned(data)
-        if src.nbytes != buf.nbytes:
-            src.release()
-            raise BufferUsageError(f"copyin: source has {src.nbytes} bytes, {buf!r} has {buf.nbytes}")
-        body: list[Command] = [(COPY, f"copyin {buf.nbytes} B", self.copy_fn, buf.handle, src.address, buf.nbytes)]
-        return self._submit(self._copy_engine(buf, True), body[0][1], body, (), (buf,), (src, buf), hold=hold)
+        holder, address, nbytes = pin(data)
+        if nbytes != buf.nbytes:
+            raise BufferUsageError(f"copyin: source has {nbytes} bytes, {buf!r} has {buf.nbytes}")
+        name = f"copyin {nbytes} B"
+        body: list[Command] = [(COPY, name, self.copy_fn, buf.handle, address, nbytes)]
+        return self._submit(self._copy_engine(buf, True), name, body, (), (buf,), (holder, buf), hold=hold)
 
     def copyout(self, buf: Buffer, into: Any = None, hold: bool = False) -> Op:
         """Copy ``buf`` out; the op's result is ``into`` (a writable buffer) or a new bytearray. ``hold``: see
         :meth:`copyin`."""
         self._check(buf, "copyout")
         dest = bytearray(buf.nbytes) if into is None else into
-        pin = Pinned(dest, writable=True)
-        if pin.nbytes != buf.nbytes:
-            pin.release()
-            raise BufferUsageError(f"copyout: destination has {pin.nbytes} bytes, {buf!r} has {buf.nbytes}")
-        name = f"copyout {buf.nbytes} B"
-        body: list[Command] = [(COPY, name, self.copy_fn, pin.address, buf.handle, buf.nbytes)]
-        return self._submit(self._copy_engine(buf, False), name, body, (buf,), (), (pin, buf), dest, hold)
+        holder, address, nbytes = pin(dest, writable=True)
+        if nbytes != buf.nbytes:
+            raise BufferUsageError(f"copyout: destination has {nbytes} bytes, {buf!r} has {buf.nbytes}")
+        name = f"copyout {nbytes} B"
+        body: list[Command] = [(COPY, name, self.copy_fn, address, buf.handle, nbytes)]
+        return self._submit(self._copy_engine(buf, False), name, body, (buf,), (), (holder, buf), dest, hold)
 
     def transfer(self, dst: Buffer, src: Buffer, hold: bool = False) -> Op:
         """Copy ``src`` (on this device) to ``dst`` (on any host-mapped device) on this device's copy engine.

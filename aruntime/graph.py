@@ -22,7 +22,7 @@ from aruntime.device import BaseDevice, Program, dispatch_when_ready
 from aruntime.engine import COPY, EXEC, SIGNAL, TIMESTAMP, WAIT, Command, Engine, Op
 from aruntime.errors import BufferUsageError, DependencyError
 from aruntime.events import GraphEntry, GraphEvent, recorder
-from aruntime.helpers import Pinned, after_all
+from aruntime.helpers import after_all, pin
 from aruntime.signal import TimelineSignal
 
 _graph_ids = itertools.count(1)
@@ -297,20 +297,20 @@ class Graph:
             return (COPY, entry.name, entry.device.copy_fn, dst.handle, src.handle, src.nbytes)
         if entry.kind == "copyin":
             buf = writes[0]
-            pin = Pinned(inputs[entry.host])
-            keep.append(pin)
-            if pin.nbytes != buf.nbytes:
-                raise BufferUsageError(f"graph input {entry.host!r} has {pin.nbytes} bytes, {buf!r} has {buf.nbytes}")
-            return (COPY, entry.name, entry.device.copy_fn, buf.handle, pin.address, buf.nbytes)
+            holder, address, nbytes = pin(inputs[entry.host])
+            keep.append(holder)
+            if nbytes != buf.nbytes:
+                raise BufferUsageError(f"graph input {entry.host!r} has {nbytes} bytes, {buf!r} has {buf.nbytes}")
+            return (COPY, entry.name, entry.device.copy_fn, buf.handle, address, nbytes)
         buf = reads[0]
         dest = inputs.get(entry.host)
         dest = bytearray(buf.nbytes) if dest is None else dest
-        pin = Pinned(dest, writable=True)
-        keep.append(pin)
-        if pin.nbytes != buf.nbytes:
-            raise BufferUsageError(f"graph output {entry.host!r} has {pin.nbytes} bytes, {buf!r} has {buf.nbytes}")
+        holder, address, nbytes = pin(dest, writable=True)
+        keep.append(holder)
+        if nbytes != buf.nbytes:
+            raise BufferUsageError(f"graph output {entry.host!r} has {nbytes} bytes, {buf!r} has {buf.nbytes}")
         results[entry.host] = dest
-        return (COPY, entry.name, entry.device.copy_fn, pin.address, buf.handle, buf.nbytes)
+        return (COPY, entry.name, entry.device.copy_fn, address, buf.handle, nbytes)
 
     def _submit(
         self,

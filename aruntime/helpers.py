@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import threading
@@ -58,56 +57,53 @@ def _bytes_address(data: bytes) -> int | None:
     return ctypes.cast(data, ctypes.c_void_p).value  # type: ignore[arg-type]  # bytes pass as char *
 
 
-class Pinned:
-    """The memory of a buffer-protocol object, held until :meth:`release` (or collection).
+class _Export:
+    """A buffer export taken through the C API (for read-only memory), released when collected."""
 
-    While held, the object can be neither resized nor freed, so an engine thread
-    may copy to or from ``address`` without the GIL. Works zero-copy for bytes,
-    bytearray, memoryview, array, mmap and C-contiguous numpy arrays.
-    """
+    __slots__ = ("view",)
 
-    __slots__ = ("_hold", "_view", "address", "nbytes", "readonly")
-
-    def __init__(self, obj: object, writable: bool = False) -> None:
-        self._view: _PyBuffer | None = None
-        self._hold: object = None
-        kind = type(obj).__name__
-        if type(obj) is bytes and not writable:  # immutable and referenced: its address cannot change
-            self._hold = obj
-            self.address = _bytes_address(obj) or 0
-            self.nbytes = len(obj)
-            self.readonly = True
-            return
-        if type(obj) is not memoryview:
-            with contextlib.suppress(TypeError):  # no buffer protocol: the general path below says so
-                obj = memoryview(obj)  # type: ignore[arg-type]  # anything with the buffer protocol
-        if type(obj) is memoryview and not obj.readonly and obj.c_contiguous and obj.nbytes:
-            anchor = ctypes.c_char.from_buffer(obj)  # holds an export of the memory for as long as it lives
-            self._hold = anchor
-            self.address = ctypes.addressof(anchor)
-            self.nbytes = obj.nbytes
-            self.readonly = False
-            return
+    def __init__(self, obj: object, writable: bool) -> None:
+        self.view: _PyBuffer | None = None
         view = _PyBuffer()
         try:
             _get_buffer(obj, ctypes.byref(view), _PYBUF_WRITABLE if writable else 0)
         except (BufferError, TypeError, ValueError) as exc:
             need = "a writable, C-contiguous" if writable else "a C-contiguous"
-            raise BufferUsageError(f"expected {need} buffer-protocol object, got {kind}: {exc}") from None
-        self._view = view
-        self.address = int(view.buf or 0)
-        self.nbytes = int(view.len)
-        self.readonly = bool(view.readonly)
+            raise BufferUsageError(f"expected {need} buffer-protocol object, got {type(obj).__name__}: {exc}") from None
+        self.view = view
 
-    def release(self) -> None:
-        """Let go of the object's memory (idempotent)."""
-        self._hold = None
-        view, self._view = self._view, None
+    def __del__(self) -> None:
+        view, self.view = self.view, None
         if view is not None:
             _release_buffer(ctypes.byref(view))
 
-    def __del__(self) -> None:
-        self.release()
+
+Pin = tuple[object, int, int]
+"""What :func:`pin` returns: ``(holder, address, nbytes)``."""
+
+
+def pin(obj: object, writable: bool = False) -> Pin:
+    """Hold the memory of a buffer-protocol object for as long as the returned ``holder`` lives.
+
+    Returns ``(holder, address, nbytes)``. While ``holder`` is referenced the
+    object can be neither resized nor freed, so an engine thread may copy to or
+    from ``address`` without the GIL. Zero-copy for bytes, bytearray,
+    memoryview, array, mmap and C-contiguous numpy arrays; ``writable``
+    refuses read-only memory. Raises :class:`BufferUsageError` for anything
+    else (no buffer protocol, not C-contiguous).
+    """
+    if type(obj) is bytes and not writable:  # immutable and referenced: its address cannot change
+        return obj, _bytes_address(obj) or 0, len(obj)
+    try:
+        view = memoryview(obj)  # type: ignore[arg-type]  # our own view: its export outlives the caller's release()
+        # the view holds the export for as long as it lives; the anchor only reads the address
+        return view, ctypes.addressof(ctypes.c_char.from_buffer(view)), view.nbytes
+    except (TypeError, ValueError):  # read-only, not C-contiguous, empty, or no buffer protocol
+        pass
+    export = _Export(obj, writable)
+    view_struct = export.view
+    assert view_struct is not None
+    return export, int(view_struct.buf or 0), int(view_struct.len)
 
 
 def canonicalize(name: str) -> str:
