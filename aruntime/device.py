@@ -36,7 +36,10 @@ class Program:
         self.lib = lib
         self.outs = None if outs is None else tuple(outs)
         self.call: Callable[..., object] = self.__call__
-        """What an engine calls with :meth:`args`' result: the kernel itself where a backend can give it."""
+        """What an engine calls with :meth:`args`' result: the kernel itself where a backend can give it.
+
+        A submitted launch holds ``call`` (not the program) until it has run, so
+        ``call`` must keep alive whatever the kernel needs."""
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} on {self.device.name}>"
@@ -137,13 +140,16 @@ class BaseDevice:
     ) -> Op:
         """Track the op's hazards and hand it to ``engine`` (see :func:`dispatch_when_ready`)."""
         op = Op(name, (), keep, result)
+        if not (reads or writes):
+            return engine.push(body, op)
         deps: list[Op] = []
         inputs: list[Op] = []
         for buf in reads:
             buf.log.access(buf.offset, buf.offset + buf.nbytes, False, True, op, engine, deps, inputs)
         for buf in writes:
             buf.log.access(buf.offset, buf.offset + buf.nbytes, True, False, op, engine, deps, inputs)
-        op.inputs = inputs
+        if inputs:
+            op.inputs = inputs
         if not deps:
             return engine.push(body, op)
         op.deps = deps
@@ -257,7 +263,8 @@ class BaseDevice:
                 raise TypeError(f"launch {prog.name}: scalar {i} must be int or float, got {type(val).__name__}")
         args = prog.args([b.handle for b in bufs], vals)
         body: list[Command] = [(EXEC, prog.name, prog.call, args)]
-        return self._submit(self.compute, prog.name, body, reads, writes, (prog, bufs), hold=hold)
+        # the command holds the program (through ``prog.call``); the op holds the buffers until it is done
+        return self._submit(self.compute, prog.name, body, reads, writes, bufs, hold=hold)
 
     # ---- completion ---------------------------------------------------------------------------------
 

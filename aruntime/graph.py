@@ -47,13 +47,14 @@ class _Entry:
     prog: Program | None = None
     bufs: tuple[Buffer, ...] = ()
     vals: tuple[int | float | Param, ...] = ()
-    command: tuple[tuple[Any, ...], Command] | None = None  # a launch's last (handles, scalars, their types), command
+    command: tuple[tuple[Any, ...], Command] | None = None  # a Param launch's last (handles, scalars, types), command
 
 
 @dataclass
 class _Step:
     index: int
     entry: _Entry
+    slots: tuple[int, ...]  # the entry's buffers (a launch's arguments, else (source, destination)) in plan.buffers
     waits: list[tuple[TimelineSignal, int, int]]  # (progress signal, entries on its engine, position to wait for)
     signal: int  # position to signal on this engine's progress signal once done, or 0 (nobody waits for it)
 
@@ -67,7 +68,8 @@ class _Plan:
     needed: frozenset[str]  # the copy-in sources and Params every replay must name
     outputs: frozenset[str]  # the copy-out destinations a replay may name
     steps: dict[Engine, list[_Step]]  # what each engine's command queue is made of, in order
-    accesses: list[tuple[Engine, Buffer, bool, bool]]  # (engine, buffer, writes) of every entry, for hazard tracking
+    buffers: list[Buffer]  # every captured buffer, once
+    accesses: list[tuple[Engine, int, bool, bool]]  # (engine, buffer's index, writes, consumes), for hazard tracking
 
 
 def _overlaps(a: Buffer, b: Buffer) -> bool:
@@ -87,6 +89,8 @@ class Graph:
         self.id = next(_graph_ids)
         self.entries: list[_Entry] = []
         self._plan: _Plan | None = None
+        # the handles of the plan's buffers at the last replay, and the commands that depend on nothing else
+        self._fixed: tuple[list[Any], list[Command | None]] | None = None
         self._runs = 0
         self._lock = threading.Lock()
 
@@ -95,7 +99,7 @@ class Graph:
 
     def _add(self, entry: _Entry) -> None:
         self.entries.append(entry)
-        self._plan = None
+        self._plan = self._fixed = None
 
     def copyin(self, buf: Buffer, source: str) -> None:
         """Capture a copy of the host input named ``source`` into ``buf``."""
@@ -177,11 +181,19 @@ class Graph:
             v.name for e in entries for v in e.vals if isinstance(v, Param)
         }
         outputs = frozenset(e.host for e in entries if e.kind == "copyout")
+        slot: dict[int, int] = {}
+        buffers: list[Buffer] = []
+        for e in entries:
+            for b in (*e.bufs, *e.reads, *e.writes):
+                if id(b) not in slot:
+                    slot[id(b)] = len(buffers)
+                    buffers.append(b)
         steps = {
             engine: [
                 _Step(
                     i,
                     entries[i],
+                    tuple(slot[id(b)] for b in (entries[i].bufs or (*entries[i].reads, *entries[i].writes))),
                     [(progress[e], len(order[e]), p) for e, p in waits[i]],
                     pos[i] if signals[i] else 0,
                 )
@@ -197,8 +209,8 @@ class Graph:
                     key = (engines[i], id(b))
                     strongest[key] = (b, write or strongest.get(key, (b, False))[1])
                     consumes.setdefault(id(b), not write)
-        accesses = [(engine, b, write, consumes[id(b)]) for (engine, _), (b, write) in strongest.items()]
-        return _Plan(list(order), engines, tuple(deps), progress, frozenset(needed), outputs, steps, accesses)
+        accesses = [(engine, slot[id(b)], write, consumes[id(b)]) for (engine, _), (b, write) in strongest.items()]
+        return _Plan(list(order), engines, tuple(deps), progress, frozenset(needed), outputs, steps, buffers, accesses)
 
     def _place(self, deps: list[tuple[int, ...]]) -> list[Engine]:
         """Each entry's engine: its own, except that a small host copy (at most the device's
@@ -227,17 +239,26 @@ class Graph:
             plan = self._plan = self._plan or self._build()
             run_index = self._runs
             self._runs += 1
-        subst = self._substitutions(buffers) if buffers else {}
+        bufs = self._substituted(plan, buffers) if buffers else plan.buffers
         missing = plan.needed - inputs.keys()
         if missing:
             raise ValueError(f"{self!r} replay is missing inputs: {', '.join(sorted(missing))}")
         unknown = inputs.keys() - plan.needed - plan.outputs
         if unknown:
             raise ValueError(f"{self!r} replay got unknown inputs: {', '.join(sorted(unknown))}")
+        handles = [b.handle for b in bufs]  # raises if one was freed
+        fixed = self._fixed
+        if fixed is None or fixed[0] != handles:  # replays mostly repeat the buffers: reuse what depends on them only
+            commands: list[Command | None] = [None] * len(self.entries)
+            for steps in plan.steps.values():
+                for step in steps:
+                    commands[step.index] = self._fixed_command(step, handles)
+            fixed = self._fixed = (handles, commands)
+        commands = fixed[1]
         timing = recorder.enabled
         times: list[list[float]] = [[] for _ in self.entries] if timing else []
         results: dict[str, Any] = {}
-        keep: list[Any] = []
+        keep: list[Any] = [bufs]
         bodies: dict[Engine, list[Command]] = {}
         for engine, steps in plan.steps.items():
             base = run_index * len(steps)
@@ -248,20 +269,22 @@ class Graph:
                     cmds.append((WAIT, signal, run_index * count + p))
                 if timing:
                     cmds.append((TIMESTAMP, times[step.index]))
-                cmds.append(self._command(step.entry, subst, inputs, keep, results))
+                command = commands[step.index]
+                cmds.append(command or self._command(step, handles, inputs, keep, results))
                 if timing:
                     cmds.append((TIMESTAMP, times[step.index]))
                 if step.signal:
                     cmds.append((SIGNAL, progress, base + step.signal))
             bodies[engine] = cmds
-        ops = self._submit(plan, bodies, subst, keep, run_index)
+        ops = self._submit(plan, bodies, bufs, keep, run_index)
         run = GraphRun(tuple(ops), results)
         if timing:
             _record_when_done(run, self, plan, times)
         return run
 
-    def _substitutions(self, buffers: dict[Buffer, Buffer]) -> dict[int, Buffer]:
-        captured = {id(b): b for e in self.entries for b in (*e.reads, *e.writes)}
+    def _substituted(self, plan: _Plan, buffers: dict[Buffer, Buffer]) -> list[Buffer]:
+        """The plan's buffers with ``buffers``' replacements (checked) in place of captured ones."""
+        captured = {id(b) for b in plan.buffers}
         subst: dict[int, Buffer] = {}
         for old, new in buffers.items():
             if id(old) not in captured:
@@ -270,62 +293,67 @@ class Graph:
                 raise BufferUsageError(f"{self!r}: {new!r} cannot stand in for {old!r} (device and size must match)")
             new.owner._check(new, "graph replay")
             subst[id(old)] = new
-        return subst
+        return [subst.get(id(b), b) for b in plan.buffers]
+
+    @staticmethod
+    def _fixed_command(step: _Step, handles: list[Any]) -> Command | None:
+        """The command of an entry that needs nothing but buffer handles (None for the others)."""
+        entry, slots = step.entry, step.slots
+        if entry.kind == "transfer":
+            src, dst = slots
+            return (COPY, entry.name, entry.device.copy_fn, handles[dst], handles[src], entry.reads[0].nbytes)
+        if entry.kind == "launch" and not any(isinstance(v, Param) for v in entry.vals):
+            prog = entry.prog
+            assert prog is not None
+            return (EXEC, entry.name, prog.call, prog.args([handles[i] for i in slots], entry.vals))  # type: ignore[arg-type]
+        return None
 
     def _command(
-        self, entry: _Entry, subst: dict[int, Buffer], inputs: dict[str, Any], keep: list[Any], results: dict[str, Any]
+        self, step: _Step, handles: list[Any], inputs: dict[str, Any], keep: list[Any], results: dict[str, Any]
     ) -> Command:
-        reads, writes = entry.reads, entry.writes
-        if subst:
-            reads = tuple(subst.get(id(b), b) for b in reads)
-            writes = tuple(subst.get(id(b), b) for b in writes)
+        """The command of a host copy or of a launch with :class:`Param` scalars, for one replay."""
+        entry = step.entry
         if entry.kind == "launch":
             prog = entry.prog
             assert prog is not None
-            bufs = entry.bufs if not subst else [subst.get(id(b), b) for b in entry.bufs]
-            handles = tuple(b.handle for b in bufs)
+            args = tuple(handles[i] for i in step.slots)
             vals = [inputs[v.name] if isinstance(v, Param) else v for v in entry.vals]
-            key = (*handles, *vals, *map(type, vals))  # 2 and 2.0 are equal but make different C arguments
+            key = (*args, *vals, *map(type, vals))  # 2 and 2.0 are equal but make different C arguments
             cached = entry.command
             if cached is not None and cached[0] == key:
                 return cached[1]
-            command: Command = (EXEC, entry.name, prog.call, prog.args(handles, vals))
-            entry.command = (key, command)  # replays mostly repeat the buffers and scalars: reuse the arguments
+            command: Command = (EXEC, entry.name, prog.call, prog.args(args, vals))
+            entry.command = (key, command)
             return command
-        if entry.kind == "transfer":
-            src, dst = reads[0], writes[0]
-            return (COPY, entry.name, entry.device.copy_fn, dst.handle, src.handle, src.nbytes)
+        nbytes = (entry.reads + entry.writes)[0].nbytes
         if entry.kind == "copyin":
-            buf = writes[0]
-            holder, address, nbytes = pin(inputs[entry.host])
+            holder, address, size = pin(inputs[entry.host])
             keep.append(holder)
-            if nbytes != buf.nbytes:
-                raise BufferUsageError(f"graph input {entry.host!r} has {nbytes} bytes, {buf!r} has {buf.nbytes}")
-            return (COPY, entry.name, entry.device.copy_fn, buf.handle, address, nbytes)
-        buf = reads[0]
+            if size != nbytes:
+                raise BufferUsageError(f"graph input {entry.host!r} has {size} bytes, {entry.writes[0]!r} has {nbytes}")
+            return (COPY, entry.name, entry.device.copy_fn, handles[step.slots[0]], address, nbytes)
         dest = inputs.get(entry.host)
-        dest = bytearray(buf.nbytes) if dest is None else dest
-        holder, address, nbytes = pin(dest, writable=True)
+        dest = bytearray(nbytes) if dest is None else dest
+        holder, address, size = pin(dest, writable=True)
         keep.append(holder)
-        if nbytes != buf.nbytes:
-            raise BufferUsageError(f"graph output {entry.host!r} has {nbytes} bytes, {buf!r} has {buf.nbytes}")
+        if size != nbytes:
+            raise BufferUsageError(f"graph output {entry.host!r} has {size} bytes, {entry.reads[0]!r} has {nbytes}")
         results[entry.host] = dest
-        return (COPY, entry.name, entry.device.copy_fn, address, buf.handle, nbytes)
+        return (COPY, entry.name, entry.device.copy_fn, address, handles[step.slots[0]], nbytes)
 
     def _submit(
         self,
         plan: _Plan,
         bodies: dict[Engine, list[Command]],
-        subst: dict[int, Buffer],
+        bufs: list[Buffer],
         keep: list[Any],
         run_index: int,
     ) -> list[Op]:
         ops = {e: Op(f"graph#{self.id} replay {run_index} on {e.signal.name}", (), keep) for e in plan.engines}
         deps: dict[Engine, list[Op]] = {e: [] for e in plan.engines}
         inputs: dict[Engine, list[Op]] = {e: [] for e in plan.engines}
-        for engine, b, write, uses in plan.accesses:
-            if subst:
-                b = subst.get(id(b), b)
+        for engine, i, write, uses in plan.accesses:
+            b = bufs[i]
             b.log.access(b.offset, b.offset + b.nbytes, write, uses, ops[engine], engine, deps[engine], inputs[engine])
         mine = set(ops.values())
         for engine in plan.engines:

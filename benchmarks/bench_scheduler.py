@@ -13,9 +13,10 @@
   and compiled C function called with ``anyio.to_thread.run_sync`` from 1000
   tasks.
 * ``scheduler_graph_replay``: a 30-op sequence (10 x copy-in, launch, copy-out on
-  tiny buffers) submitted through the device methods and awaited, against a
-  replay of the same sequence captured as a :class:`Graph`; cost per op, on the
-  CPU device and on the NULL device (pure runtime overhead).
+  tiny buffers) submitted through the device methods, against a replay of the
+  same sequence captured as a :class:`Graph`; cost per op with many sequences
+  in flight, and each sequence awaited before the next; on the CPU device and
+  on the NULL device (pure runtime overhead).
 """
 
 from __future__ import annotations
@@ -409,8 +410,8 @@ TINY = 16
 """Floats per buffer."""
 
 
-async def _replay_vs_eager(dev: BaseDevice, iterations: int, repeats: int) -> tuple[float, float, float]:
-    """Microseconds per op: replay, eager through the device methods, eager through a Scheduler."""
+async def _replay_vs_eager(dev: BaseDevice, iterations: int, repeats: int) -> dict[str, float]:
+    """Microseconds per op of each variant (see :func:`scheduler_graph_replay`)."""
     prog = await dev.compile(SCALE, outs=(0,))
     xs = await _allocate(dev, CHAIN, TINY)
     ys = await _allocate(dev, CHAIN, TINY)
@@ -423,17 +424,30 @@ async def _replay_vs_eager(dev: BaseDevice, iterations: int, repeats: int) -> tu
         graph.copyout(ys[k], f"y{k}")
     inputs: dict[str, Any] = {f"x{k}": srcs[k] for k in range(CHAIN)} | {f"y{k}": dsts[k] for k in range(CHAIN)}
 
-    async def eager() -> None:
+    def sequence() -> list[Op]:
+        outs = []
+        for k in range(CHAIN):
+            dev.copyin(xs[k], srcs[k])
+            dev.launch(prog, ys[k], xs[k], vals=(TINY, 2.0))
+            outs.append(dev.copyout(ys[k], dsts[k]))
+        return outs
+
+    async def eager() -> None:  # every sequence submitted, then every copy-out awaited
+        outs = [op for _ in range(iterations) for op in sequence()]
+        for op in outs:
+            await op
+
+    async def replay() -> None:  # every replay submitted, then each awaited
+        runs = [graph.replay(**inputs) for _ in range(iterations)]
+        for run in runs:
+            await run
+
+    async def eager_each() -> None:  # one sequence at a time: submitted, then awaited
         for _ in range(iterations):
-            outs = []
-            for k in range(CHAIN):
-                dev.copyin(xs[k], srcs[k])
-                dev.launch(prog, ys[k], xs[k], vals=(TINY, 2.0))
-                outs.append(dev.copyout(ys[k], dsts[k]))
-            for op in outs:
+            for op in sequence():
                 await op
 
-    async def replay() -> None:
+    async def replay_each() -> None:
         for _ in range(iterations):
             await graph.replay(**inputs)
 
@@ -448,19 +462,19 @@ async def _replay_vs_eager(dev: BaseDevice, iterations: int, repeats: int) -> tu
                 for op in outs:
                     await op
 
-    for run in (replay, eager, scheduled):  # warm-up that checks the results (the NULL device copies nothing)
+    variants = {"replay": replay, "eager": eager, "replay_each": replay_each, "eager_each": eager_each}
+    variants["scheduled"] = scheduled
+    for run in variants.values():  # warm-up that checks the results (the NULL device copies nothing)
         for dst in dsts:
             dst[:] = bytes(TINY * 4)
         await run()
         if dev.kind != "NULL":
             assert all(set(array.array("f", dst)) == {2.0 * k} for k, dst in enumerate(dsts)), "wrong result"
-    seconds: dict[str, list[float]] = {"replay": [], "eager": [], "scheduled": []}
+    seconds: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(repeats):
-        seconds["replay"].append(await timed(replay))
-        seconds["eager"].append(await timed(eager))
-        seconds["scheduled"].append(await timed(scheduled))
-    replay_us, eager_us, sched_us = (statistics.median(v) * 1e6 / (iterations * CHAIN * 3) for v in seconds.values())
-    return replay_us, eager_us, sched_us
+        for name, run in variants.items():
+            seconds[name].append(await timed(run))
+    return {name: statistics.median(v) * 1e6 / (iterations * CHAIN * 3) for name, v in seconds.items()}
 
 
 async def scheduler_graph_replay() -> list[Result]:
@@ -470,18 +484,20 @@ async def scheduler_graph_replay() -> list[Result]:
     repeats = 1 if quick else 9
     rows = []
     for label, name in (("graph_replay_cpu", "CPU"), ("graph_replay_null", "NULL")):
-        replay_us, eager_us, sched_us = await _replay_vs_eager(Device[name], iterations, repeats)
-        ratio = eager_us / replay_us
+        us = await _replay_vs_eager(Device[name], iterations, repeats)
+        ratio = us["eager"] / us["replay"]
         rows.append(
             result(
                 label,
-                replay_us,
+                us["replay"],
                 "us/op",
-                eager_us,
+                us["eager"],
                 ratio,
                 ">= 3x cheaper than eager",
                 ratio >= 3,
-                eager_sched_us_per_op=sched_us,
+                awaited_each_us_per_op=us["replay_each"],
+                eager_awaited_each_us_per_op=us["eager_each"],
+                eager_sched_us_per_op=us["scheduled"],
                 ops=CHAIN * 3,
                 iterations=iterations,
                 repeats=repeats,
