@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import multiprocessing
@@ -9,7 +10,7 @@ import os
 import pkgutil
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, ClassVar
 
 import anyio
@@ -26,30 +27,36 @@ from aruntime.helpers import after_all, canonicalize, getenv, pin
 PRIORITY = ("CUDA", "CL", "CPU")
 """Kinds tried in order for the default device (file-backed kinds and NULL are never the default)."""
 
+Bound = tuple[Callable[..., object], tuple[Any, ...]]
+"""What :meth:`Program.bind` returns: the callable an engine runs for one launch, and its arguments."""
+
 
 class Program:
-    """A compiled kernel of one device; the engine calls it with the launch's arguments."""
+    """A compiled kernel of one device; :meth:`bind` says what the compute engine calls for a launch."""
 
     def __init__(self, device: BaseDevice, name: str, lib: bytes, outs: Sequence[int] | None = None) -> None:
         self.device = device
         self.name = name
         self.lib = lib
         self.outs = None if outs is None else tuple(outs)
-        self.call: Callable[..., object] = self.__call__
-        """What an engine calls with :meth:`args`' result: the kernel itself where a backend can give it.
-
-        A submitted launch holds ``call`` (not the program) until it has run, so
-        ``call`` must keep alive whatever the kernel needs."""
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} on {self.device.name}>"
 
-    def args(self, addresses: Sequence[int], vals: Sequence[int | float]) -> tuple[Any, ...]:
-        """The arguments the engine passes to :meth:`__call__` for these buffers and scalars."""
-        return (*addresses, *vals)
+    def bind(self, addresses: Sequence[int], vals: Sequence[int | float]) -> Bound:
+        """What the compute engine calls for a launch on these buffer handles and scalars, and the arguments.
+
+        By default the program itself, with the handles and then the scalars. A
+        backend may return the kernel itself instead (no Python frame per
+        launch). A submitted launch holds the callable, not the program, until
+        it has run, so the callable must keep alive whatever the kernel needs.
+        """
+        return self, (*addresses, *vals)
 
     def __call__(self, *args: Any) -> None:
-        """Run the kernel (on an engine thread)."""
+        """Run the kernel with :meth:`bind`'s arguments (on an engine thread); a backend that binds to
+        something else need not define it."""
+        raise NotImplementedError(f"{self!r}: launch it on its device, or call what bind() returns")
 
 
 class BaseDevice:
@@ -235,14 +242,16 @@ class BaseDevice:
         for i, buf in enumerate(bufs):
             if not isinstance(buf, Buffer) or buf.device != self.name or not buf.is_allocated():
                 self._check(buf, f"launch {prog.name} argument {i}")  # raises the error that fits
-        written = outs if outs is not None else prog.outs
+        written = prog.outs if outs is None else tuple(outs)
         if written is None:  # all written
             return (), tuple(bufs)
-        out_idx = set(written)
-        if any(not 0 <= i < len(bufs) for i in out_idx):
-            raise ValueError(f"launch {prog.name}: outs {sorted(out_idx)} out of range for {len(bufs)} buffers")
-        reads = tuple(b for i, b in enumerate(bufs) if i not in out_idx)
-        return reads, tuple(b for i, b in enumerate(bufs) if i in out_idx)
+        try:
+            read_idx, write_idx = _split(len(bufs), written)
+        except ValueError:
+            raise ValueError(
+                f"launch {prog.name}: outs {sorted(written)} out of range for {len(bufs)} buffers"
+            ) from None
+        return tuple(map(bufs.__getitem__, read_idx)), tuple(map(bufs.__getitem__, write_idx))
 
     def launch(
         self,
@@ -261,9 +270,8 @@ class BaseDevice:
         for i, val in enumerate(vals):
             if not isinstance(val, (int, float)):
                 raise TypeError(f"launch {prog.name}: scalar {i} must be int or float, got {type(val).__name__}")
-        args = prog.args([b.handle for b in bufs], vals)
-        body: list[Command] = [(EXEC, prog.name, prog.call, args)]
-        # the command holds the program (through ``prog.call``); the op holds the buffers until it is done
+        fn, args = prog.bind([b._handle for b in bufs], vals)  # checked above: every handle is there
+        body: list[Command] = [(EXEC, prog.name, fn, args)]  # the op holds the buffers until it is done
         return self._submit(self.compute, prog.name, body, reads, writes, bufs, hold=hold)
 
     # ---- completion ---------------------------------------------------------------------------------
@@ -319,6 +327,14 @@ class BaseDevice:
         Device.forget(self)
 
 
+@functools.lru_cache(maxsize=256)
+def _split(count: int, written: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The (read-only, written) indices of ``count`` launch buffers of which ``written`` are written."""
+    if not all(0 <= i < count for i in written):
+        raise ValueError(f"{written} out of range")
+    return tuple(i for i in range(count) if i not in written), tuple(sorted(set(written)))
+
+
 def dispatch_when_ready(ops: Sequence[tuple[Engine, list[Command], Op]], hold: bool) -> None:
     """Hand ``ops`` (each with its engine and commands, its ``deps`` set) to their engines together,
     as soon as their dependencies allow; until then they are held (see :meth:`Op.hold`).
@@ -330,7 +346,7 @@ def dispatch_when_ready(ops: Sequence[tuple[Engine, list[Command], Op]], hold: b
     its queue is not stuck behind it; this is how a :class:`~aruntime.scheduler.Scheduler`
     overlaps straight-line code.
     """
-    mine = {id(op) for _, _, op in ops}
+    mine: Collection[int] = {id(op) for _, _, op in ops} if len(ops) > 1 else ()  # one op never depends on itself
     blockers: list[tuple[Op, bool, Op]] = []  # (op, wait only for the dependency's dispatch, dependency)
     for engine, _, op in ops:
         for dep in op.deps:
@@ -352,9 +368,9 @@ def dispatch_when_ready(ops: Sequence[tuple[Engine, list[Command], Op]], hold: b
         (dep.when_dispatched if on_dispatch else dep.when_done)(one_ready)
 
 
-def _dispatch(ops: Sequence[tuple[Engine, list[Command], Op]], mine: set[int]) -> None:
+def _dispatch(ops: Sequence[tuple[Engine, list[Command], Op]], mine: Collection[int]) -> None:
     for engine, body, op in ops:
-        waits = cross_engine_waits([d for d in op.deps if id(d) not in mine and not d.done()], engine)
+        waits = _cross_engine_waits(op.deps, engine, mine)
         if waits:
             cq = CommandQueue()
             for dep_engine, value in waits.items():
@@ -367,15 +383,19 @@ def _dispatch(ops: Sequence[tuple[Engine, list[Command], Op]], mine: set[int]) -
         engine.push(body, op)
 
 
-def cross_engine_waits(deps: Sequence[Op], engine: Engine) -> dict[Engine, int]:
-    """For each other engine among ``deps``, the latest value ``engine`` must wait for.
-
-    Dependencies on ``engine`` itself need no wait: its queue runs in order.
-    """
+def _cross_engine_waits(deps: Sequence[Op], engine: Engine, mine: Collection[int]) -> dict[Engine, int]:
+    """For each other engine among the ``deps`` not done (and not among ``mine``), the latest value ``engine``
+    must wait for. Dependencies on ``engine`` itself need no wait: its queue runs in order."""
     waits: dict[Engine, int] = {}
     for dep in deps:
         dep_engine = dep.engine
-        if dep_engine is not engine and dep_engine is not None and dep.value > waits.get(dep_engine, 0):
+        if (
+            dep_engine is not engine
+            and dep_engine is not None
+            and dep.value > waits.get(dep_engine, 0)
+            and id(dep) not in mine
+            and not dep.done()
+        ):
             waits[dep_engine] = dep.value
     return waits
 

@@ -305,7 +305,8 @@ class Graph:
         if entry.kind == "launch" and not any(isinstance(v, Param) for v in entry.vals):
             prog = entry.prog
             assert prog is not None
-            return (EXEC, entry.name, prog.call, prog.args([handles[i] for i in slots], entry.vals))  # type: ignore[arg-type]
+            fn, args = prog.bind([handles[i] for i in slots], entry.vals)  # type: ignore[arg-type]
+            return (EXEC, entry.name, fn, args)
         return None
 
     def _command(
@@ -322,7 +323,8 @@ class Graph:
             cached = entry.command
             if cached is not None and cached[0] == key:
                 return cached[1]
-            command: Command = (EXEC, entry.name, prog.call, prog.args(args, vals))
+            fn, bound = prog.bind(args, vals)
+            command: Command = (EXEC, entry.name, fn, bound)
             entry.command = (key, command)
             return command
         nbytes = (entry.reads + entry.writes)[0].nbytes

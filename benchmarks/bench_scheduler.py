@@ -104,7 +104,8 @@ async def _parallel_ceiling(dev: BaseDevice) -> float:
     iters = 2_000_000
 
     def spin(k: int) -> None:
-        prog(*prog.args([outs[k].handle], [iters]))
+        fn, args = prog.bind([outs[k].handle], [iters])
+        fn(*args)
 
     def measure() -> float:
         start = time.perf_counter()
@@ -332,7 +333,8 @@ async def scheduler_serving() -> list[Result]:
     def call(i: int) -> None:
         x, y = xs[i].handle, ys[i].handle
         memmove(x, req_addr[i], nbytes)
-        prog(*prog.args((y, x), (n, 2.0)))
+        fn, args = prog.bind((y, x), (n, 2.0))
+        fn(*args)
         memmove(out_addr[i], y, nbytes)
 
     async def threaded(i: int) -> None:

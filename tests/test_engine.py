@@ -402,7 +402,7 @@ async def test_a_chained_command_queue_runs_as_one_unit_in_order() -> None:
         .wait(gate, 1)
         .timestamp(stamps)
         .copy("fill", ctypes.memmove, buf.handle, ctypes.addressof(ctypes.c_char.from_buffer(src)), 8)
-        .exec("add one", prog.call, prog.args([buf.handle], [8]))
+        .exec("add one", *prog.bind([buf.handle], [8]))
         .timestamp(stamps)
         .signal(done, 1)
     )

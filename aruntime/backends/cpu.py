@@ -21,7 +21,7 @@ from typing import Any
 from aruntime.allocator import HostAllocator
 from aruntime.compile_cache import cache_get, cache_put
 from aruntime.compiler import Compiler
-from aruntime.device import BaseDevice, Program
+from aruntime.device import BaseDevice, Bound, Program
 from aruntime.dtype import DType, dtypes
 from aruntime.errors import CompileError
 
@@ -125,18 +125,27 @@ class CPUProgram(Program):
         super().__init__(device, name, lib, outs)
         self._lib = _load_library(lib)
         try:
-            self._fn = self._lib[name]
+            self._lib[name]
         except AttributeError:
             raise CompileError(f"the compiled library has no function {name!r}") from None
-        self._fn.restype = None
-        self.call = self._fn
+        self._bound: dict[tuple[Any, ...], Any] = {}  # (buffer count, scalar types) -> the C function typed for them
 
-    def args(self, addresses: Sequence[int], vals: Sequence[int | float]) -> tuple[Any, ...]:
-        scalars = [ctypes.c_int64(v) if isinstance(v, int) else ctypes.c_double(v) for v in vals]
-        return (*map(ctypes.c_void_p, addresses), *scalars)
+    def bind(self, addresses: Sequence[int], vals: Sequence[int | float]) -> Bound:
+        """The C function itself, typed for this many pointers and these scalars (``int``: int64, ``float``: double).
 
-    def __call__(self, *args: Any) -> None:
-        self._fn(*args)  # engines call ``self.call``, the C function itself
+        Each distinct signature gets its own typed function object, so the
+        arguments are plain Python numbers, converted by ctypes in the call.
+        """
+        key = (len(addresses), *map(type, vals))
+        fn = self._bound.get(key)
+        if fn is None:
+            fn = self._lib[self.name]
+            fn.restype = None
+            fn.argtypes = [ctypes.c_void_p] * len(addresses) + [
+                ctypes.c_double if isinstance(v, float) else ctypes.c_int64 for v in vals
+            ]
+            self._bound[key] = fn
+        return fn, (*addresses, *vals)
 
 
 class CPUDevice(BaseDevice):

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
 
 from aruntime.allocator import BufferSpec, LRUAllocator
 from aruntime.compiler import Compiler
-from aruntime.device import BaseDevice, Program
+from aruntime.device import BaseDevice, Bound, Program
 
 
 class NullAllocator(LRUAllocator[int]):
@@ -39,15 +38,16 @@ class NullCompiler(Compiler):
         return b""
 
 
+def _nothing(*args: object) -> None:
+    pass
+
+
 class NullProgram(Program):
     """Runs nothing."""
 
-    def args(self, addresses: Sequence[int], vals: Sequence[int | float]) -> tuple[Any, ...]:
-        return ()
-
-
-def _no_copy(dst: int, src: int, nbytes: int) -> None:
-    pass
+    def bind(self, addresses: Sequence[int], vals: Sequence[int | float]) -> Bound:
+        """A function that does nothing, with no arguments."""
+        return _nothing, ()
 
 
 class NullDevice(BaseDevice):
@@ -57,7 +57,7 @@ class NullDevice(BaseDevice):
     program_type = NullProgram
     allocator_type = NullAllocator
     compiler_type = NullCompiler
-    copy_fn = staticmethod(_no_copy)
+    copy_fn = staticmethod(_nothing)
 
 
 device_class = NullDevice
