@@ -330,7 +330,18 @@ class ThreadEngine(Engine):
                 if not checked:
                     check_deps(op)
                     checked = True
-                self._run_command(cmd, op)
+                recording = recorder.enabled
+                start = perf_counter_ns() if recording else 0
+                if kind == EXEC:
+                    cmd[2](*cmd[3])
+                else:
+                    self._copy(cmd[2], cmd[3], cmd[4], cmd[5])
+                if recording:  # RangeLog.add, inlined: this runs once per command
+                    ranges = self.ranges
+                    ranges.ends.append(perf_counter_ns())
+                    ranges.starts.append(start)
+                    ranges.names.append(cmd[1])
+                    ranges.ops.append(op.id)
             except BaseException:
                 # the rest of this queue is skipped, but its signals are still set: engines waiting on them
                 # (e.g. other queues of a graph replay) go on, and dependency checks fail their ops instead
@@ -339,22 +350,10 @@ class ThreadEngine(Engine):
                         rest[1].set(rest[2])
                 raise
 
-    def _run_command(self, cmd: Command, op: Op) -> None:
-        recording = recorder.enabled
-        start = perf_counter_ns() if recording else 0
-        if cmd[0] == EXEC:
-            cmd[2](*cmd[3])
+    def _copy(self, fn: CopyFn, dst: int, src: int, nbytes: int) -> None:
+        step = self.chunk
+        if nbytes <= step:
+            fn(dst, src, nbytes)
         else:
-            _, _, fn, dst, src, nbytes = cmd
-            step = self.chunk
-            if nbytes <= step:
-                fn(dst, src, nbytes)
-            else:
-                for off in range(0, nbytes, step):
-                    fn(dst + off, src + off, min(step, nbytes - off))
-        if recording:  # RangeLog.add, inlined: this runs once per command
-            ranges = self.ranges
-            ranges.ends.append(perf_counter_ns())
-            ranges.starts.append(start)
-            ranges.names.append(cmd[1])
-            ranges.ops.append(op.id)
+            for off in range(0, nbytes, step):
+                fn(dst + off, src + off, min(step, nbytes - off))

@@ -190,11 +190,19 @@ _asyncio_wakers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncioWak
 _trio_waker: Any = None
 
 
+_last_asyncio: tuple[weakref.ref[asyncio.AbstractEventLoop], AsyncioWaker] | None = None
+
+
 def asyncio_waker(loop: asyncio.AbstractEventLoop) -> AsyncioWaker:
     """The waker of a running asyncio loop (created on first use)."""
+    global _last_asyncio
+    last = _last_asyncio  # one read: another thread may replace it meanwhile
+    if last is not None and last[0]() is loop:
+        return last[1]
     waker = _asyncio_wakers.get(loop)
     if waker is None:
         waker = _asyncio_wakers[loop] = AsyncioWaker(loop)
+    _last_asyncio = (weakref.ref(loop), waker)
     return waker
 
 
