@@ -173,7 +173,10 @@ class Op:
     def __await__(self) -> Generator[Any, None, Any]:
         signal = self._submitted().signal
         if signal.value < self.value:
-            yield from self.settled().__await__()
+            if self.value == HELD:
+                yield from self.settled().__await__()
+            else:  # what settled() does, without two coroutine frames per await
+                yield from signal.wait_async(self.value).__await__()
         return self._outcome()
 
     def wait(self, timeout: float | None = None) -> Any:

@@ -70,10 +70,10 @@ class AccessLog:
 
     def conflicts_on(self, engine: Engine, start: int, end: int, write: bool) -> bool:
         """Whether an access to [start, end) would have to wait for an in-flight op of ``engine``."""
-        return any(
-            other.engine is engine and (write or w) and s < end and start < e and not other.done()
-            for s, e, w, other in self.entries
-        )
+        for s, e, w, other in self.entries:
+            if other.engine is engine and (write or w) and s < end and start < e and not other.done():
+                return True
+        return False
 
     def pending(self) -> list[Op]:
         """The ops still in flight on this buffer."""
