@@ -268,8 +268,7 @@ class BaseDevice:
         """
         reads, writes = self._launch_access(prog, bufs, outs)
         for i, val in enumerate(vals):
-            if not isinstance(val, (int, float)):
-                raise TypeError(f"launch {prog.name}: scalar {i} must be int or float, got {type(val).__name__}")
+            check_scalar(f"launch {prog.name}", i, val)
         fn, args = prog.bind([b._handle for b in bufs], vals)  # checked above: every handle is there
         body: list[Command] = [(EXEC, prog.name, fn, args)]  # the op holds the buffers until it is done
         return self._submit(self.compute, prog.name, body, reads, writes, bufs, hold=hold)
@@ -325,6 +324,16 @@ class BaseDevice:
         self.compute.close()
         self.copy.close()
         Device.forget(self)
+
+
+def check_scalar(what: str, index: int, val: object) -> None:
+    """Raise unless ``val`` can be a launch's scalar ``index``: a float, or an int that fits in int64."""
+    if isinstance(val, float):
+        return
+    if not isinstance(val, int):
+        raise TypeError(f"{what}: scalar {index} must be int or float, got {type(val).__name__}")
+    if not -(1 << 63) <= val < 1 << 63:
+        raise ValueError(f"{what}: scalar {index} = {val} does not fit in a 64-bit signed int")
 
 
 @functools.lru_cache(maxsize=256)

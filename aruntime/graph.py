@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aruntime.buffer import Buffer
-from aruntime.device import BaseDevice, Program, dispatch_when_ready
+from aruntime.device import BaseDevice, Program, check_scalar, dispatch_when_ready
 from aruntime.engine import COPY, EXEC, SIGNAL, TIMESTAMP, WAIT, Command, Engine, Op
 from aruntime.errors import BufferUsageError, DependencyError
 from aruntime.events import GraphEntry, GraphEvent, recorder
@@ -133,8 +133,8 @@ class Graph:
         dev = prog.device
         reads, writes = dev._launch_access(prog, bufs, outs)
         for i, val in enumerate(vals):
-            if not isinstance(val, (int, float, Param)):
-                raise TypeError(f"graph launch {prog.name}: scalar {i} must be int, float or Param")
+            if not isinstance(val, Param):
+                check_scalar(f"graph launch {prog.name}", i, val)
         self._add(_Entry("launch", dev, dev.compute, prog.name, reads, writes, prog=prog, bufs=bufs, vals=tuple(vals)))
 
     def _build(self) -> _Plan:
@@ -319,6 +319,9 @@ class Graph:
             assert prog is not None
             args = tuple(handles[i] for i in step.slots)
             vals = [inputs[v.name] if isinstance(v, Param) else v for v in entry.vals]
+            for i, (v, val) in enumerate(zip(entry.vals, vals, strict=True)):
+                if isinstance(v, Param):
+                    check_scalar(f"{self!r} replay, input {v.name!r} of {entry.name}", i, val)
             key = (*args, *vals, *map(type, vals))  # 2 and 2.0 are equal but make different C arguments
             cached = entry.command
             if cached is not None and cached[0] == key:

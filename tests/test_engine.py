@@ -148,6 +148,8 @@ async def test_bad_arguments_raise_before_anything_is_enqueued() -> None:
         dev.copyout(buf, into=bytearray(17))
     with pytest.raises(TypeError, match="scalar 0 must be int or float"):
         dev.launch(prog, buf, vals=("16",))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="scalar 0 = 9223372036854775808 does not fit in a 64-bit"):
+        dev.launch(prog, buf, vals=(1 << 63,))
     with pytest.raises(BufferUsageError, match="positive"):
         await dev.allocate(0)
     with pytest.raises(BufferUsageError, match="positive"):

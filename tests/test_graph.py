@@ -100,6 +100,12 @@ async def test_replay_errors_name_what_is_wrong() -> None:
         graph.replay({x: small}, x=floats(1), scale=1.0)
     with pytest.raises(BufferUsageError, match="graph input 'x' has 4 bytes"):
         graph.replay(x=b"1234", scale=1.0)
+    with pytest.raises(TypeError, match="input 'scale' of kernel: scalar 1 must be int or float, got str"):
+        graph.replay(x=floats(1), scale="2")
+    with pytest.raises(TypeError, match="scalar 1 must be int or float, got list"):
+        graph.launch(prog, y, x, vals=(N, [2.0]))  # type: ignore[list-item]
+    result = await graph.replay(x=floats(3), scale=2.0)  # nothing of the failed replays was left behind
+    assert values(await dev.copyout(y)) == {6.0} and result == {}
 
 
 async def test_replay_records_a_graph_event() -> None:
