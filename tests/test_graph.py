@@ -48,6 +48,12 @@ async def test_replay_with_new_inputs_params_and_buffers() -> None:
     result = await graph.replay({x: x2, y: y2}, x=floats(5), scale=-1.0, y=into)
     assert result["y"] is into and values(into) == {-5.0}
     assert values(await dev.copyout(y2)) == {-5.0}
+    result = await graph.replay(x=floats(6), scale=1.0)  # the captured buffers again, after the stand-ins
+    assert values(result["y"]) == {6.0} and values(await dev.copyout(y)) == {6.0}
+    assert values(await dev.copyout(y2)) == {-5.0}
+    await dev.free(y2)
+    with pytest.raises(BufferUsageError, match="was freed"):
+        graph.replay({y: y2}, x=floats(7), scale=1.0)
 
 
 async def test_many_replays_in_flight_keep_their_order() -> None:
