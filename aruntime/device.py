@@ -146,6 +146,7 @@ class BaseDevice:
         hold: bool = False,
     ) -> Op:
         """Track the op's hazards and hand it to ``engine`` (see :func:`dispatch_when_ready`)."""
+        engine.check_open(name)  # before the hazard logs learn of an op that would never run
         op = Op(name, (), keep, result)
         if not (reads or writes):
             return engine.push(body, op)
@@ -320,7 +321,9 @@ class BaseDevice:
         return DeviceEvent(self.name, engine_offset(self.compute), engine_offset(self.copy))
 
     def close(self) -> None:
-        """Stop the engines once their work is done and forget the device: ``Device[name]`` opens a new one."""
+        """Wait for the work submitted so far (held ops included), stop the engines and forget the device:
+        ``Device[name]`` opens a new one, and this one refuses new work with a :class:`DeviceError`."""
+        self.settle_blocking()
         self.compute.close()
         self.copy.close()
         Device.forget(self)

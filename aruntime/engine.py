@@ -11,13 +11,14 @@ commands on a Python worker thread; a backend with hardware queues subclasses
 
 from __future__ import annotations
 
-import queue
+import os
 import threading
+from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from time import perf_counter_ns
 from typing import Any
 
-from aruntime.errors import DependencyError, OpError, SignalTimeout
+from aruntime.errors import DependencyError, DeviceError, OpError, SignalTimeout
 from aruntime.events import now_us, op_ids, recorder
 from aruntime.signal import TimelineSignal, wait_registered
 
@@ -217,6 +218,7 @@ class Engine:
         self.last = 0
         self.held: set[Op] = set()  # ops bound for this engine, not yet handed to it
         self.failed: list[Op] = []
+        self.closed = False
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -229,6 +231,7 @@ class Engine:
     def push(self, cmds: list[Command], op: Op) -> Op:
         """:meth:`submit` for a plain list of commands, which the engine then owns."""
         with self._lock:
+            self.check_open(op.name)
             self.last = op.value = self.last + 1
             op.engine = self
             op.cmds = cmds
@@ -243,6 +246,11 @@ class Engine:
                 else:
                     self.signal.on_reach(op.value, callback)
         return op
+
+    def check_open(self, what: str) -> None:
+        """Raise :class:`DeviceError` (naming ``what``) if the engine is closed."""
+        if self.closed:
+            raise DeviceError(f"{what}: {self.signal.name} is closed")
 
     def _enqueue(self, cmds: list[Command], op: Op) -> None:
         raise NotImplementedError
@@ -269,7 +277,9 @@ class Engine:
         return [op for op in failed if not op.observed]
 
     def close(self) -> None:
-        """Stop accepting work once everything submitted has run."""
+        """Stop accepting work (a later submission raises :class:`DeviceError`); what was submitted still runs."""
+        with self._lock:
+            self.closed = True
 
 
 def check_deps(op: Op) -> None:
@@ -291,20 +301,40 @@ class ThreadEngine(Engine):
     def __init__(self, device: str, kind: str, timeout: float, chunk: int = 8 << 20) -> None:
         super().__init__(device, kind, timeout)
         self.chunk = chunk
-        self._queue: queue.SimpleQueue[Op | None] = queue.SimpleQueue()
+        self._ops: deque[Op | None] = deque()
+        self._idle = False  # the worker is (about to be) asleep on the pipe and must be woken
+        self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(target=self._run, name=self.signal.name, daemon=True)
         self._thread.start()
 
-    def _enqueue(self, cmds: list[Command], op: Op) -> None:
-        self._queue.put(op)
+    def _enqueue(self, cmds: list[Command], op: Op | None) -> None:
+        self._ops.append(op)
+        if self._idle:
+            self._idle = False
+            os.write(self._wake_w, b"\0")  # the system call runs without the GIL
 
     def close(self) -> None:
-        self._queue.put(None)
+        """Stop accepting work; wait until what was submitted has run (unless called from this engine's thread)."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self._enqueue([], None)
         if threading.current_thread() is not self._thread:
             self._thread.join()
 
+    def _next(self) -> Op | None:
+        ops = self._ops
+        while not ops:
+            self._idle = True
+            if ops:  # appended after the check above: no wake-up is coming for it
+                self._idle = False
+                break
+            os.read(self._wake_r, 4096)  # sleeps without the GIL; extra bytes only cost a spare loop turn
+        return ops.popleft()
+
     def _run(self) -> None:
-        get = self._queue.get
+        get = self._next
         execute = self._execute
         complete = self._complete
         while (op := get()) is not None:
@@ -314,6 +344,8 @@ class ThreadEngine(Engine):
                 complete(op, exc)
             else:
                 complete(op, None)
+        os.close(self._wake_r)  # nothing writes after the end: only a sleeping worker is ever woken
+        os.close(self._wake_w)
 
     def _execute(self, op: Op) -> None:
         assert op.cmds is not None

@@ -354,6 +354,8 @@ class Graph:
         keep: list[Any],
         run_index: int,
     ) -> list[Op]:
+        for engine in plan.engines:
+            engine.check_open(f"{self!r} replay")
         ops = {e: Op(f"graph#{self.id} replay {run_index} on {e.signal.name}", (), keep) for e in plan.engines}
         deps: dict[Engine, list[Op]] = {e: [] for e in plan.engines}
         inputs: dict[Engine, list[Op]] = {e: [] for e in plan.engines}

@@ -328,10 +328,16 @@ async def test_small_copy_after_a_kernel_rides_on_the_compute_queue() -> None:
 async def test_a_closed_device_is_forgotten_and_reopens() -> None:
     dev = Device["CPU:6"]
     buf = await dev.allocate(8)
+    buf2 = await dev.allocate(8)
     await dev.copyin(buf, bytes(8))
     await dev.free(buf)
+    last = dev.copy.last
     dev.close()
     assert "CPU:6" not in Device.opened
+    with pytest.raises(DeviceError, match="CPU:6 copy queue is closed"):
+        dev.copyin(buf2, bytes(8))
+    assert dev.copy.last == last  # the refused op took no place on the timeline
+    dev.close()  # twice is harmless
     again = Device["CPU:6"]
     assert again is not dev
     buf = await again.allocate(8)
