@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -10,6 +11,8 @@ from functools import partial
 
 from aruntime.errors import SignalTimeout
 from aruntime.wakeup import Waiter, asyncio_waker, trio_waker
+
+_log = logging.getLogger("aruntime")
 
 
 class TimelineSignal:
@@ -50,7 +53,10 @@ class TimelineSignal:
             fired = [callbacks.pop(v) for v in range(old + 1, value + 1) if v in callbacks]
         for group in fired:
             for callback in group:
-                callback()
+                try:
+                    callback()
+                except Exception:  # one failing callback must not skip the others or stop the engine that sets
+                    _log.exception("%s: a callback for value %d failed", self.name, value)
 
     def on_reach(self, value: int, callback: Callable[[], None]) -> None:
         """Call ``callback`` once the counter reaches ``value`` (now, if it already has)."""

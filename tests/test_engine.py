@@ -5,6 +5,7 @@ from __future__ import annotations
 import array
 import ctypes
 import gc
+import logging
 import threading
 from typing import Any
 
@@ -424,3 +425,19 @@ async def test_a_chained_command_queue_runs_as_one_unit_in_order() -> None:
     assert len(stamps) == 2 and stamps[0] <= stamps[1]
     assert bytes(await dev.copyout(buf)) == b"\x06" * 8
     await dev.free(buf)
+
+
+def test_a_failing_signal_callback_is_logged_and_the_others_still_run(caplog: pytest.LogCaptureFixture) -> None:
+    signal = TimelineSignal("test signal", timeout=5)
+    called: list[str] = []
+
+    def broken() -> None:
+        raise RuntimeError("callback bug")
+
+    signal.on_reach(1, broken)
+    signal.on_reach(1, lambda: called.append("second"))
+    signal.on_reach(2, lambda: called.append("later"))
+    with caplog.at_level(logging.ERROR, logger="aruntime"):
+        signal.set(2)
+    assert called == ["second", "later"] and signal.value == 2
+    assert "test signal: a callback for value 2 failed" in caplog.text and "callback bug" in caplog.text
