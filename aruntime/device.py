@@ -392,7 +392,10 @@ def _dispatch(ops: Sequence[tuple[Engine, list[Command], Op]], mine: Collection[
                     DependencyEvent(d.id, op.id) for d in op.deps if d.engine in waits and id(d) not in mine
                 )
             body = cq.cmds + body
-        engine.push(body, op)
+        try:
+            engine.push(body, op)
+        except DeviceError as exc:  # its engine was closed while it was held
+            op.abandon(engine, exc)
 
 
 def _cross_engine_waits(deps: Sequence[Op], engine: Engine, mine: Collection[int]) -> dict[Engine, int]:

@@ -127,6 +127,19 @@ class Op:
         self.later = []
         engine.held.add(self)
 
+    def abandon(self, engine: Engine, error: BaseException) -> None:
+        """Fail an op that can no longer be handed to ``engine`` (it was closed while the op was held): the op
+        counts as done, with ``error``, and whatever waited for its dispatch or its end runs now."""
+        with _later_lock:
+            later, self.later = self.later or [], None
+            self.error = error
+            self.engine = engine
+            self.value = 0  # done: every timeline is at 0 or beyond
+        engine.held.discard(self)
+        engine._note_failure(self)
+        for _, callback in later:
+            callback()
+
     def _when(self, on_dispatch: bool, callback: Callable[[], None]) -> None:
         if self.value == HELD:
             with _later_lock:
@@ -262,13 +275,16 @@ class Engine:
                 wrapped.__cause__ = error
                 error = wrapped
             op.error = error
-            with self._lock:
-                self.failed.append(op)
-                if len(self.failed) > 256:  # a server that awaits its ops but never synchronizes: keep the unseen
-                    self.failed = [f for f in self.failed if not f.observed]
+            self._note_failure(op)
         op.keep = op.cmds = None
         op.deps = op.inputs = ()
         self.signal.set(op.value)
+
+    def _note_failure(self, op: Op) -> None:
+        with self._lock:
+            self.failed.append(op)
+            if len(self.failed) > 256:  # a server that awaits its ops but never synchronizes: keep the unseen
+                self.failed = [f for f in self.failed if not f.observed]
 
     def take_failures(self) -> list[Op]:
         """The failed ops nobody awaited since the last call (and forget them)."""

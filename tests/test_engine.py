@@ -441,3 +441,24 @@ def test_a_failing_signal_callback_is_logged_and_the_others_still_run(caplog: py
         signal.set(2)
     assert called == ["second", "later"] and signal.value == 2
     assert "test signal: a callback for value 2 failed" in caplog.text and "callback bug" in caplog.text
+
+
+async def test_an_op_held_for_an_engine_closed_meanwhile_fails_instead_of_hanging() -> None:
+    dev = Device["CPU:7"]
+    prog = await dev.compile(ADD_ONE)
+    buf = await dev.allocate(8)
+    gate = TimelineSignal("test gate", timeout=10)
+    dev.copy.submit(CommandQueue().wait(gate, 1), Op("gate"))
+    filled = dev.copyin(buf, bytes(8))  # behind the gate, on the copy queue
+    held = dev.launch(prog, buf, vals=(8,), hold=True)  # held until the copy is done
+    assert not held.dispatched
+    dev.compute.close()  # what a concurrent close does while the launch is held
+    gate.set(1)
+    with anyio.fail_after(10):
+        await filled
+        with pytest.raises(DeviceError, match="CPU:7 compute queue is closed"):
+            await held
+        await dev.settle()  # nothing is left held
+    assert held.done() and not dev.compute.held
+    await dev.synchronize()  # the failure was seen by its awaiter: nothing more to raise
+    dev.close()
