@@ -10,7 +10,7 @@ import os
 import pkgutil
 import sys
 import threading
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import anyio
@@ -225,6 +225,8 @@ class BaseDevice:
         """
         if not isinstance(src, str) or not isinstance(name, str):
             raise TypeError("compile: src and name must be str")
+        if outs is not None:
+            outs = _indices(f"compile {name}", outs)
         if self.compiler is None:
             raise DeviceError(f"{self.name} has no compiler")
         compiler = self.compiler
@@ -243,7 +245,7 @@ class BaseDevice:
         for i, buf in enumerate(bufs):
             if not isinstance(buf, Buffer) or buf.device != self.name or not buf.is_allocated():
                 self._check(buf, f"launch {prog.name} argument {i}")  # raises the error that fits
-        written = prog.outs if outs is None else tuple(outs)
+        written = prog.outs if outs is None else _indices(f"launch {prog.name}", outs)
         if written is None:  # all written
             return (), tuple(bufs)
         try:
@@ -337,6 +339,15 @@ def check_scalar(what: str, index: int, val: object) -> None:
         raise TypeError(f"{what}: scalar {index} must be int or float, got {type(val).__name__}")
     if not -(1 << 63) <= val < 1 << 63:
         raise ValueError(f"{what}: scalar {index} = {val} does not fit in a 64-bit signed int")
+
+
+def _indices(what: str, outs: object) -> tuple[int, ...]:
+    """``outs`` as a tuple of buffer indices, or a TypeError naming ``what``."""
+    items = tuple(outs) if isinstance(outs, Iterable) and not isinstance(outs, (str, bytes)) else None
+    indices = tuple(i for i in items if type(i) is int) if items is not None else ()
+    if items is None or len(indices) != len(items):
+        raise TypeError(f"{what}: outs must be a sequence of buffer indices (int), got {outs!r}")
+    return indices
 
 
 @functools.lru_cache(maxsize=256)
