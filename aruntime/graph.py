@@ -284,9 +284,15 @@ class Graph:
 
     def _substituted(self, plan: _Plan, buffers: dict[Buffer, Buffer]) -> list[Buffer]:
         """The plan's buffers with ``buffers``' replacements (checked) in place of captured ones."""
+        if not isinstance(buffers, dict):
+            raise TypeError(
+                f"{self!r} replay: buffers must map captured buffers to others, got {type(buffers).__name__}"
+            )
         captured = {id(b) for b in plan.buffers}
         subst: dict[int, Buffer] = {}
         for old, new in buffers.items():
+            if not isinstance(new, Buffer):
+                raise BufferUsageError(f"{self!r}: {old!r} can only be replaced by a Buffer, got {type(new).__name__}")
             if id(old) not in captured:
                 raise BufferUsageError(f"{self!r}: {old!r} is not a buffer of this graph")
             if new.device != old.device or new.nbytes != old.nbytes:

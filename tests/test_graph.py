@@ -101,6 +101,10 @@ async def test_replay_errors_name_what_is_wrong() -> None:
     other = await dev.allocate(N, dtypes.float32)
     with pytest.raises(BufferUsageError, match="not a buffer of this graph"):
         graph.replay({other: x}, x=floats(1), scale=1.0)
+    with pytest.raises(TypeError, match="buffers must map captured buffers to others, got list"):
+        graph.replay([x], x=floats(1), scale=1.0)  # type: ignore[arg-type]
+    with pytest.raises(BufferUsageError, match="can only be replaced by a Buffer, got bytes"):
+        graph.replay({x: b"1234"}, x=floats(1), scale=1.0)  # type: ignore[dict-item]
     small = await dev.allocate(N // 2, dtypes.float32)
     with pytest.raises(BufferUsageError, match="cannot stand in"):
         graph.replay({x: small}, x=floats(1), scale=1.0)
