@@ -34,6 +34,17 @@ class Param:
 
     name: str
 
+    def __post_init__(self) -> None:
+        _check_name("Param", self.name)
+
+
+def _check_name(what: str, name: object) -> None:
+    """Raise unless ``name`` can name a replay input or output (a keyword argument of :meth:`Graph.replay`)."""
+    if not isinstance(name, str) or not name or name == "buffers":
+        raise ValueError(
+            f"{what}: a replay input or output needs a non-empty str name other than 'buffers', got {name!r}"
+        )
+
 
 @dataclass
 class _Entry:
@@ -72,6 +83,15 @@ class _Plan:
     accesses: list[tuple[Engine, int, bool, bool]]  # (engine, buffer's index, writes, consumes), for hazard tracking
 
 
+def _owner(buf: Buffer, what: str) -> BaseDevice:
+    """The device of ``buf``, checked to be an allocated buffer of it."""
+    if not isinstance(buf, Buffer):
+        raise BufferUsageError(f"{what}: expected a Buffer, got {type(buf).__name__}")
+    dev = buf.owner
+    dev._check(buf, what)
+    return dev
+
+
 def _overlaps(a: Buffer, b: Buffer) -> bool:
     return a.base is b.base and a.offset < b.offset + b.nbytes and b.offset < a.offset + a.nbytes
 
@@ -103,21 +123,20 @@ class Graph:
 
     def copyin(self, buf: Buffer, source: str) -> None:
         """Capture a copy of the host input named ``source`` into ``buf``."""
-        dev = buf.owner
-        dev._check(buf, "graph copyin")
+        _check_name("graph copyin", source)
+        dev = _owner(buf, "graph copyin")
         self._add(_Entry("copyin", dev, dev.copy, f"copyin {buf.nbytes} B", (), (buf,), host=source))
 
     def copyout(self, buf: Buffer, dest: str) -> None:
         """Capture a copy of ``buf`` to the host; the replay's result ``dest`` holds it."""
-        dev = buf.owner
-        dev._check(buf, "graph copyout")
+        _check_name("graph copyout", dest)
+        dev = _owner(buf, "graph copyout")
         self._add(_Entry("copyout", dev, dev.copy, f"copyout {buf.nbytes} B", (buf,), (), host=dest))
 
     def transfer(self, dst: Buffer, src: Buffer) -> None:
         """Capture a device-to-device copy on the source's copy engine."""
-        dev = src.owner
-        dev._check(src, "graph transfer")
-        dst.owner._check(dst, "graph transfer")
+        dev = _owner(src, "graph transfer")
+        _owner(dst, "graph transfer")
         if dst.nbytes != src.nbytes:
             raise BufferUsageError(f"graph transfer: {src!r} has {src.nbytes} bytes, {dst!r} has {dst.nbytes}")
         self._add(_Entry("transfer", dev, dev.copy, f"transfer {src.nbytes} B", (src,), (dst,)))

@@ -42,6 +42,8 @@ class Scheduler:
     def __init__(self, window: int = 1024, drain_timeout: float = 30.0) -> None:
         if not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be a positive int, got {window!r}")
+        if not isinstance(drain_timeout, (int, float)) or not drain_timeout > 0:
+            raise ValueError(f"drain_timeout must be a positive number of seconds, got {drain_timeout!r}")
         self.window = window
         self.drain_timeout = drain_timeout
         self._inflight: deque[Op] = deque()

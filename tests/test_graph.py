@@ -101,6 +101,12 @@ async def test_replay_errors_name_what_is_wrong() -> None:
     other = await dev.allocate(N, dtypes.float32)
     with pytest.raises(BufferUsageError, match="not a buffer of this graph"):
         graph.replay({other: x}, x=floats(1), scale=1.0)
+    with pytest.raises(ValueError, match="graph copyin: a replay input or output needs a non-empty str name"):
+        graph.copyin(x, "buffers")  # the name replay() takes its buffer map by
+    with pytest.raises(ValueError, match="Param: a replay input or output needs a non-empty str name"):
+        Param(3)  # type: ignore[arg-type]
+    with pytest.raises(BufferUsageError, match="graph copyout: expected a Buffer, got bytearray"):
+        graph.copyout(bytearray(4), "y")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="buffers must map captured buffers to others, got list"):
         graph.replay([x], x=floats(1), scale=1.0)  # type: ignore[arg-type]
     with pytest.raises(BufferUsageError, match="can only be replaced by a Buffer, got bytes"):

@@ -143,6 +143,8 @@ async def test_enqueue_outside_the_context_is_an_error() -> None:
         await sched.copyin(buf, bytes(4))
     with pytest.raises(ValueError, match="window must be a positive int"):
         Scheduler(window=0)
+    with pytest.raises(ValueError, match="drain_timeout must be a positive number of seconds, got -1"):
+        Scheduler(drain_timeout=-1)
 
 
 async def test_waiting_tasks_are_admitted_in_turn_and_a_cancelled_one_leaves_the_queue() -> None:
