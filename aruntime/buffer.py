@@ -45,6 +45,8 @@ class Buffer:
         self.size = size
         self.dtype = dtype
         self.nbytes = size * dtype.itemsize
+        if spec is not None and not isinstance(spec, BufferSpec):
+            raise BufferUsageError(f"buffer spec must be a BufferSpec, got {type(spec).__name__}")
         self.spec = spec or DEFAULT_SPEC
         self._handle: Any = None
         self._freed = False

@@ -270,7 +270,7 @@ class BaseDevice:
         the others are only read. ``hold``: see :meth:`copyin`.
         """
         reads, writes = self._launch_access(prog, bufs, outs)
-        for i, val in enumerate(vals):
+        for i, val in enumerate(scalars(f"launch {prog.name}", vals)):
             check_scalar(f"launch {prog.name}", i, val)
         fn, args = prog.bind([b._handle for b in bufs], vals)  # checked above: every handle is there
         body: list[Command] = [(EXEC, prog.name, fn, args)]  # the op holds the buffers until it is done
@@ -329,6 +329,13 @@ class BaseDevice:
         self.compute.close()
         self.copy.close()
         Device.forget(self)
+
+
+def scalars(what: str, vals: object) -> Sequence[Any]:
+    """``vals`` if it is a list or tuple (of a launch's scalars), else a TypeError naming ``what``."""
+    if not isinstance(vals, (list, tuple)):
+        raise TypeError(f"{what}: vals must be a tuple or list of scalars, got {type(vals).__name__}")
+    return vals
 
 
 def check_scalar(what: str, index: int, val: object) -> None:

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from aruntime.buffer import Buffer
-from aruntime.device import BaseDevice, Program, check_scalar, dispatch_when_ready
+from aruntime.device import BaseDevice, Program, check_scalar, dispatch_when_ready, scalars
 from aruntime.engine import COPY, EXEC, SIGNAL, TIMESTAMP, WAIT, Command, Engine, Op
-from aruntime.errors import BufferUsageError, DependencyError
+from aruntime.errors import BufferUsageError, DependencyError, DeviceError
 from aruntime.events import GraphEntry, GraphEvent, recorder
 from aruntime.helpers import after_all, pin
 from aruntime.signal import TimelineSignal
@@ -149,9 +149,11 @@ class Graph:
         outs: Sequence[int] | None = None,
     ) -> None:
         """Capture a kernel launch; scalars given as :class:`Param` are named inputs of each replay."""
+        if not isinstance(prog, Program):
+            raise DeviceError(f"graph launch: expected a Program, got {type(prog).__name__}")
         dev = prog.device
         reads, writes = dev._launch_access(prog, bufs, outs)
-        for i, val in enumerate(vals):
+        for i, val in enumerate(scalars(f"graph launch {prog.name}", vals)):
             if not isinstance(val, Param):
                 check_scalar(f"graph launch {prog.name}", i, val)
         self._add(_Entry("launch", dev, dev.compute, prog.name, reads, writes, prog=prog, bufs=bufs, vals=tuple(vals)))

@@ -88,6 +88,8 @@ def test_bad_dtype_and_root_offset_are_clear_errors() -> None:
         Buffer("CPU", 4, dtypes.void)
     with pytest.raises(BufferUsageError, match="a base buffer has no offset"):
         Buffer("CPU", 4, offset=4)
+    with pytest.raises(BufferUsageError, match="spec must be a BufferSpec, got str"):
+        Buffer("CPU", 4, spec="host")  # type: ignore[arg-type]
 
 
 def test_allocation_is_lazy() -> None:

@@ -151,6 +151,8 @@ async def test_bad_arguments_raise_before_anything_is_enqueued() -> None:
         dev.launch(prog, buf, vals=("16",))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="scalar 0 = 9223372036854775808 does not fit in a 64-bit"):
         dev.launch(prog, buf, vals=(1 << 63,))
+    with pytest.raises(TypeError, match="launch kernel: vals must be a tuple or list of scalars, got int"):
+        dev.launch(prog, buf, vals=16)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"outs must be a sequence of buffer indices \(int\), got \['0'\]"):
         dev.launch(prog, buf, vals=(16,), outs=["0"])  # type: ignore[list-item]
     with pytest.raises(ValueError, match=r"outs \[3\] out of range for 1 buffers"):

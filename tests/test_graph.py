@@ -7,7 +7,7 @@ import array
 import anyio
 import pytest
 
-from aruntime import Buffer, BufferUsageError, Device, OpError, Program, dtypes
+from aruntime import Buffer, BufferUsageError, Device, DeviceError, OpError, Program, dtypes
 from aruntime.events import GraphEvent, recorder
 from aruntime.graph import Graph, Param
 from aruntime.scheduler import Scheduler
@@ -120,6 +120,8 @@ async def test_replay_errors_name_what_is_wrong() -> None:
         graph.replay(x=floats(1), scale="2")
     with pytest.raises(TypeError, match="scalar 1 must be int or float, got list"):
         graph.launch(prog, y, x, vals=(N, [2.0]))  # type: ignore[list-item]
+    with pytest.raises(DeviceError, match="graph launch: expected a Program, got str"):
+        graph.launch("kernel", y, x)  # type: ignore[arg-type]
     result = await graph.replay(x=floats(3), scale=2.0)  # nothing of the failed replays was left behind
     assert values(await dev.copyout(y)) == {6.0} and result == {}
 

@@ -125,6 +125,11 @@ async def test_waiting_in_a_region_does_not_take_a_devices_failures() -> None:
         await dev.synchronize()  # still reported to the program
 
 
+def test_host_range_names_must_be_str() -> None:
+    with pytest.raises(TypeError, match="host_range: name must be a str, got int"):
+        host_range(5)  # type: ignore[arg-type]
+
+
 def test_host_ranges_record_names_and_times_even_when_the_block_raises() -> None:
     @host_range()
     def helper(x: int) -> int:

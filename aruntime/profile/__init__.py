@@ -98,6 +98,8 @@ class host_range:
     __slots__ = ("_starts", "name")
 
     def __init__(self, name: str | None = None) -> None:
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"host_range: name must be a str, got {type(name).__name__}")
         self.name = name
         self._starts: list[float] = []
 
