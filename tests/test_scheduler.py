@@ -8,7 +8,7 @@ from typing import Any
 import anyio
 import pytest
 
-from aruntime import DependencyError, Device, OpError, Program, dtypes
+from aruntime import Buffer, DependencyError, Device, OpError, Program, dtypes
 from aruntime.scheduler import Scheduler
 from tests.kernels import ADD_ONE, SCALE, SPINS, Failing, closed_gate
 
@@ -19,6 +19,17 @@ async def _gate(dev_name: str) -> tuple[Any, Any, Program]:
     dev = Device[dev_name]
     prog, flag = await closed_gate(dev)
     return dev, flag, prog
+
+
+async def _window_case(dev_name: str) -> tuple[Any, Any, Program, Program, Buffer, list[Buffer]]:
+    """A gated device, the ADD_ONE kernel, the gate's output and three zeroed 8-byte buffers."""
+    dev, flag, gate = await _gate(dev_name)
+    add = await dev.compile(ADD_ONE)
+    out = await dev.allocate(1, dtypes.int32)
+    bufs = [await dev.allocate(8) for _ in range(3)]
+    for b in bufs:
+        dev.copyin(b, bytes(8))
+    return dev, flag, gate, add, out, bufs
 
 
 async def test_pipeline_results_across_two_devices() -> None:
@@ -40,12 +51,7 @@ async def test_pipeline_results_across_two_devices() -> None:
 
 
 async def test_full_window_makes_enqueue_wait() -> None:
-    dev, flag, gate = await _gate("CPU:1")
-    add = await dev.compile(ADD_ONE)
-    out = await dev.allocate(1, dtypes.int32)
-    bufs = [await dev.allocate(8) for _ in range(3)]
-    for b in bufs:
-        dev.copyin(b, bytes(8))
+    dev, flag, gate, add, out, bufs = await _window_case("CPU:1")
     admitted = anyio.Event()
     with anyio.fail_after(10):
         async with Scheduler(window=3) as sched, anyio.create_task_group() as tg:
@@ -148,12 +154,7 @@ async def test_enqueue_outside_the_context_is_an_error() -> None:
 
 
 async def test_waiting_tasks_are_admitted_in_turn_and_a_cancelled_one_leaves_the_queue() -> None:
-    dev, flag, gate = await _gate("CPU:2")
-    add = await dev.compile(ADD_ONE)
-    out = await dev.allocate(1, dtypes.int32)
-    bufs = [await dev.allocate(8) for _ in range(3)]
-    for b in bufs:
-        dev.copyin(b, bytes(8))
+    dev, flag, gate, add, out, bufs = await _window_case("CPU:2")
     admitted: list[int] = []
     with anyio.fail_after(10):
         async with Scheduler(window=1) as sched, anyio.create_task_group() as tg:
