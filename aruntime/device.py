@@ -270,8 +270,7 @@ class BaseDevice:
         the others are only read. ``hold``: see :meth:`copyin`.
         """
         reads, writes = self._launch_access(prog, bufs, outs)
-        for i, val in enumerate(scalars(f"launch {prog.name}", vals)):
-            check_scalar(f"launch {prog.name}", i, val)
+        check_scalars(f"launch {prog.name}", vals)
         fn, args = prog.bind([b._handle for b in bufs], vals)  # checked above: every handle is there
         body: list[Command] = [(EXEC, prog.name, fn, args)]  # the op holds the buffers until it is done
         return self._submit(self.compute, prog.name, body, reads, writes, bufs, hold=hold)
@@ -331,11 +330,14 @@ class BaseDevice:
         Device.forget(self)
 
 
-def scalars(what: str, vals: object) -> Sequence[Any]:
-    """``vals`` if it is a list or tuple (of a launch's scalars), else a TypeError naming ``what``."""
+def check_scalars(what: str, vals: object, skip: type | None = None) -> None:
+    """Raise unless ``vals`` is a list or tuple of launch scalars (see :func:`check_scalar`); items that are
+    instances of ``skip`` are left for the caller."""
     if not isinstance(vals, (list, tuple)):
         raise TypeError(f"{what}: vals must be a tuple or list of scalars, got {type(vals).__name__}")
-    return vals
+    for i, val in enumerate(vals):
+        if skip is None or not isinstance(val, skip):
+            check_scalar(what, i, val)
 
 
 def check_scalar(what: str, index: int, val: object) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aruntime.buffer import Buffer
-from aruntime.device import BaseDevice, Program, check_scalar, dispatch_when_ready, scalars
+from aruntime.device import BaseDevice, Program, check_scalar, check_scalars, dispatch_when_ready
 from aruntime.engine import COPY, EXEC, SIGNAL, TIMESTAMP, WAIT, Command, Engine, Op
 from aruntime.errors import BufferUsageError, DependencyError, DeviceError
 from aruntime.events import GraphEntry, GraphEvent, recorder
@@ -153,9 +153,7 @@ class Graph:
             raise DeviceError(f"graph launch: expected a Program, got {type(prog).__name__}")
         dev = prog.device
         reads, writes = dev._launch_access(prog, bufs, outs)
-        for i, val in enumerate(scalars(f"graph launch {prog.name}", vals)):
-            if not isinstance(val, Param):
-                check_scalar(f"graph launch {prog.name}", i, val)
+        check_scalars(f"graph launch {prog.name}", vals, skip=Param)
         self._add(_Entry("launch", dev, dev.compute, prog.name, reads, writes, prog=prog, bufs=bufs, vals=tuple(vals)))
 
     def _build(self) -> _Plan:

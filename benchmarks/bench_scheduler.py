@@ -464,8 +464,13 @@ async def _replay_vs_eager(dev: BaseDevice, iterations: int, repeats: int) -> di
                 for op in outs:
                     await op
 
-    variants = {"replay": replay, "eager": eager, "replay_each": replay_each, "eager_each": eager_each}
-    variants["scheduled"] = scheduled
+    variants = {
+        "replay": replay,
+        "eager": eager,
+        "replay_each": replay_each,
+        "eager_each": eager_each,
+        "scheduled": scheduled,
+    }
     for run in variants.values():  # warm-up that checks the results (the NULL device copies nothing)
         for dst in dsts:
             dst[:] = bytes(TINY * 4)
