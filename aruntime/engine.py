@@ -295,7 +295,13 @@ class Engine:
     def close(self) -> None:
         """Stop accepting work (a later submission raises :class:`DeviceError`); what was submitted still runs."""
         with self._lock:
+            if self.closed:
+                return
             self.closed = True
+            self._stop()
+
+    def _stop(self) -> None:
+        """Called once, under the engine's lock, when it closes: let whatever executes finish and end."""
 
 
 def check_deps(op: Op) -> None:
@@ -331,13 +337,12 @@ class ThreadEngine(Engine):
 
     def close(self) -> None:
         """Stop accepting work; wait until what was submitted has run (unless called from this engine's thread)."""
-        with self._lock:
-            if self.closed:
-                return
-            self.closed = True
-            self._enqueue([], None)
+        super().close()
         if threading.current_thread() is not self._thread:
             self._thread.join()
+
+    def _stop(self) -> None:
+        self._enqueue([], None)
 
     def _next(self) -> Op | None:
         ops = self._ops
