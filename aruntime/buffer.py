@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from aruntime.allocator import DEFAULT_SPEC, Allocator, BufferSpec
@@ -16,6 +17,14 @@ if TYPE_CHECKING:
     from aruntime.device import BaseDevice
 
 _counter_lock = threading.Lock()
+
+
+def _release(allocator: Allocator[Any], handle: Any, nbytes: int, spec: BufferSpec, counted: bool) -> None:
+    """Free a root buffer's memory (once no op uses it any more)."""
+    allocator.free(handle, nbytes, spec)
+    if counted:
+        with _counter_lock:
+            allocator.in_use -= nbytes
 
 
 class Buffer:
@@ -161,21 +170,17 @@ class Buffer:
         if self._base is not None:
             return
         self._freed = True
+        if self.spec.external_ptr is not None:
+            return  # caller-owned memory: nothing to free
+        # what the handle came from, fixed now: the buffer may be allocated again before the release runs
+        release = partial(_release, self.allocator, handle, self.nbytes, self.spec, not self.owner.file_backed)
         pending = self.log.pending()
         if not pending:
-            self._release(handle)
+            release()
             return
-        one_done = after_all(len(pending), lambda: self._release(handle))
+        one_done = after_all(len(pending), release)
         for op in pending:
             op.when_done(one_done)
-
-    def _release(self, handle: Any) -> None:
-        allocator = self.allocator
-        if self.spec.external_ptr is None:
-            allocator.free(handle, self.nbytes, self.spec)
-            if not self.owner.file_backed:
-                with _counter_lock:
-                    allocator.in_use -= self.nbytes
 
     def __del__(self) -> None:
         if getattr(self, "_handle", None) is not None and self._base is None:

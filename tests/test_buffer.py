@@ -427,3 +427,25 @@ def test_a_huge_cpu_allocation_is_an_allocation_error() -> None:
     assert not buf.is_allocated() and cpu_in_use() == start
     assert cpu_cached() == 0  # the cache was freed before the retry
     assert Buffer("CPU", 8, initial_value=b"still ok").as_buffer().tobytes() == b"still ok"
+
+
+def test_a_release_deferred_behind_an_op_frees_what_the_handle_came_from() -> None:
+    from aruntime.engine import CommandQueue, Op
+    from aruntime.signal import TimelineSignal
+
+    dev = Device["CPU:3"]
+    alloc = dev.allocator
+    before_use, before_cached = alloc.in_use, alloc.cached_bytes
+    buf = Buffer("CPU:3", 64, preallocate=True)
+    gate = TimelineSignal("test gate", timeout=10)
+    dev.copy.submit(CommandQueue().wait(gate, 1), Op("gate"))
+    op = dev.copyin(buf, bytes(64))  # behind the gate: the memory stays in use
+    buf.deallocate()
+    outside = ctypes.create_string_buffer(64)
+    buf.allocate(external_ptr=ctypes.addressof(outside))  # allocated again before the release runs
+    gate.set(1)
+    op.wait()
+    assert alloc.in_use == before_use  # the device memory went back, counted once
+    assert alloc.cached_bytes == before_cached + 64  # into the cache, under the spec it was allocated with
+    buf.deallocate()  # caller-owned memory: nothing freed, nothing counted
+    assert alloc.in_use == before_use and alloc.cached_bytes == before_cached + 64
