@@ -268,13 +268,18 @@ class Engine:
     def _enqueue(self, cmds: list[Command], op: Op) -> None:
         raise NotImplementedError
 
-    def _complete(self, op: Op, error: BaseException | None) -> None:
-        if error is not None:
+    def _fail(self, op: Op, error: BaseException) -> None:
+        """Record ``error`` (wrapped in an :class:`OpError` naming the op and queue) as the op's, if it has none."""
+        if op.error is None:
             if not isinstance(error, OpError):
                 wrapped = OpError(f"{op.name} failed on {self.signal.name}: {error!r}")
                 wrapped.__cause__ = error
                 error = wrapped
             op.error = error
+
+    def _complete(self, op: Op, error: BaseException | None) -> None:
+        if error is not None:
+            self._fail(op, error)
             self._note_failure(op)
         op.keep = op.cmds = None
         op.deps = op.inputs = ()
@@ -373,16 +378,17 @@ class ThreadEngine(Engine):
         checked = not op.inputs
         cmds = op.cmds
         for i, cmd in enumerate(cmds):
-            kind = cmd[0]
-            if kind < EXEC:
-                if kind == WAIT:
-                    cmd[1].wait(cmd[2])
-                elif kind == SIGNAL:
-                    cmd[1].set(cmd[2])
-                else:
-                    cmd[1].append(now_us())
-                continue
             try:
+                kind = cmd[0]
+                if kind < EXEC:
+                    if kind == WAIT:
+                        cmd[1].wait(cmd[2])
+                        checked = not op.inputs  # a producer on the queue waited for may have failed: check again
+                    elif kind == SIGNAL:
+                        cmd[1].set(cmd[2])
+                    else:
+                        cmd[1].append(now_us())
+                    continue
                 if not checked:
                     check_deps(op)
                     checked = True
@@ -398,9 +404,11 @@ class ThreadEngine(Engine):
                     ranges.starts.append(start)
                     ranges.names.append(cmd[1])
                     ranges.ops.append(op.id)
-            except BaseException:
+            except BaseException as exc:
                 # the rest of this queue is skipped, but its signals are still set: engines waiting on them
-                # (e.g. other queues of a graph replay) go on, and dependency checks fail their ops instead
+                # (e.g. other queues of a graph replay) go on, and their dependency checks, which find this
+                # op's error already in place, fail their ops instead
+                self._fail(op, exc)
                 for rest in cmds[i + 1 :]:
                     if rest[0] == SIGNAL:
                         rest[1].set(rest[2])

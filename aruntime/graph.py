@@ -81,6 +81,7 @@ class _Plan:
     steps: dict[Engine, list[_Step]]  # what each engine's command queue is made of, in order
     buffers: list[Buffer]  # every captured buffer, once
     accesses: list[tuple[Engine, int, bool, bool]]  # (engine, buffer's index, writes, consumes), for hazard tracking
+    feeds: dict[Engine, list[Engine]]  # for each engine, the other engines whose entries write what its entries read
 
 
 def _owner(buf: Buffer, what: str) -> BaseDevice:
@@ -187,6 +188,7 @@ class Graph:
                 pos[i] = p
         waits: list[list[tuple[Engine, int]]] = []
         signals = [False] * len(entries)
+        feeds: dict[Engine, list[Engine]] = {e: [] for e in order}
         for i in range(len(entries)):
             latest: dict[Engine, int] = {}
             for j in deps[i]:
@@ -194,6 +196,9 @@ class Graph:
                 if engine is not engines[i]:
                     latest[engine] = max(latest.get(engine, 0), pos[j])
                     signals[j] = True
+                    reads = any(_overlaps(a, b) for a in entries[i].reads for b in entries[j].writes)
+                    if reads and engine not in feeds[engines[i]]:
+                        feeds[engines[i]].append(engine)
             waits.append(list(latest.items()))
         progress = {e: TimelineSignal(f"graph#{self.id} {e.signal.name} progress", e.signal.timeout) for e in order}
         needed = {e.host for e in entries if e.kind == "copyin"} | {
@@ -229,7 +234,9 @@ class Graph:
                     strongest[key] = (b, write or strongest.get(key, (b, False))[1])
                     consumes.setdefault(id(b), not write)
         accesses = [(engine, slot[id(b)], write, consumes[id(b)]) for (engine, _), (b, write) in strongest.items()]
-        return _Plan(list(order), engines, tuple(deps), progress, frozenset(needed), outputs, steps, buffers, accesses)
+        return _Plan(
+            list(order), engines, tuple(deps), progress, frozenset(needed), outputs, steps, buffers, accesses, feeds
+        )
 
     def _place(self, deps: list[tuple[int, ...]]) -> list[Engine]:
         """Each entry's engine: its own, except that a small host copy (at most the device's
@@ -254,10 +261,16 @@ class Graph:
         ``inputs`` gives every copy-in source and :class:`Param` by name, and may
         give a writable destination for a copy-out (else a new bytearray).
         """
-        with self._lock:
+        with self._lock:  # one replay at a time: the progress signals count the runs in the order they are submitted
             plan = self._plan = self._plan or self._build()
-            run_index = self._runs
+            run = self._submit_run(plan, self._runs, buffers, inputs)
             self._runs += 1
+        return run
+
+    def _submit_run(
+        self, plan: _Plan, run_index: int, buffers: dict[Buffer, Buffer] | None, inputs: dict[str, Any]
+    ) -> GraphRun:
+        """Check the inputs, build each engine's commands for run ``run_index`` and submit them (under the lock)."""
         bufs = self._substituted(plan, buffers) if buffers else plan.buffers
         missing = plan.needed - inputs.keys()
         if missing:
@@ -268,11 +281,10 @@ class Graph:
         handles = [b.handle for b in bufs]  # raises if one was freed
         fixed = self._fixed
         if fixed is None or fixed[0] != handles:  # replays mostly repeat the buffers: reuse what depends on them only
-            commands: list[Command | None] = [None] * len(self.entries)
+            fixed = self._fixed = (handles, [None] * len(self.entries))
             for steps in plan.steps.values():
                 for step in steps:
-                    commands[step.index] = self._fixed_command(step, handles)
-            fixed = self._fixed = (handles, commands)
+                    fixed[1][step.index] = self._fixed_command(step, handles)
         commands = fixed[1]
         timing = recorder.enabled
         times: list[list[float]] = [[] for _ in self.entries] if timing else []
@@ -389,8 +401,11 @@ class Graph:
             b.log.access(b.offset, b.offset + b.nbytes, write, uses, ops[engine], engine, deps[engine], inputs[engine])
         mine = set(ops.values())
         for engine in plan.engines:
-            ops[engine].deps = [d for d in deps[engine] if d not in mine]
-            ops[engine].inputs = [d for d in inputs[engine] if d not in mine]
+            ops[engine].deps = [d for d in deps[engine] if d not in mine]  # ordered by the progress signals
+            # outside producers from the hazard logs; this replay's parts from the plan: a failed part fails the
+            # parts that consume what it should have written
+            outside = [d for d in inputs[engine] if d not in mine]
+            ops[engine].inputs = outside + [ops[f] for f in plan.feeds[engine]]
         # all engines' parts go together, once every outside dependency is on its queue: their progress
         # waits on one another must never sit in front of an outside op they depend on
         dispatch_when_ready([(engine, bodies[engine], ops[engine]) for engine in plan.engines], hold=False)

@@ -7,7 +7,7 @@ import array
 import anyio
 import pytest
 
-from aruntime import Buffer, BufferUsageError, Device, DeviceError, OpError, Program, dtypes
+from aruntime import Buffer, BufferUsageError, DependencyError, Device, DeviceError, OpError, Program, dtypes
 from aruntime.events import GraphEvent, recorder
 from aruntime.graph import Graph, Param
 from aruntime.scheduler import Scheduler
@@ -184,3 +184,29 @@ async def test_failing_entry_fails_the_replay_without_stalling_other_queues() ->
     good = scale_graph(prog, y, x, 2.0)
     assert values((await good.replay(x=floats(3)))["y"]) == {6.0}
     await dev.synchronize()
+
+
+async def test_a_failed_part_of_a_replay_fails_the_parts_that_consume_its_output() -> None:
+    dev = Device["CPU:3"]
+    prog = await dev.compile(SCALE, outs=(0,))
+    x, y = await dev.allocate(N, dtypes.float32), await dev.allocate(N, dtypes.float32)
+    dev.inline_copy_max = 0  # copies on the copy queue, the kernel on the compute queue: two parts per replay
+
+    def broken_copy(dst: int, src: int, nbytes: int) -> None:
+        raise OSError("copy engine fault")
+
+    try:
+        graph = scale_graph(prog, y, x, 2.0)
+        dev.copy_fn = broken_copy  # type: ignore[method-assign]
+        run = graph.replay(x=floats(1))
+        del dev.copy_fn
+        assert {op.engine for op in run.ops} == {dev.copy, dev.compute}
+        with anyio.fail_after(10), pytest.raises(OpError, match="copy engine fault"):
+            await run  # the root failure, not the dependent one
+        (kernel_part,) = [op for op in run.ops if op.engine is dev.compute]
+        assert isinstance(kernel_part.error, DependencyError)  # it never ran on the bytes the copy-in missed
+        with pytest.raises(DependencyError, match="depends on graph#"):
+            await dev.copyout(y)  # what the failed part should have written is not valid
+        assert values((await graph.replay(x=floats(3)))["y"]) == {6.0}  # a good replay makes it valid again
+    finally:
+        dev.inline_copy_max = 64 << 10
