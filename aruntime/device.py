@@ -8,7 +8,6 @@ import importlib.metadata
 import multiprocessing
 import os
 import pkgutil
-import sys
 import threading
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
@@ -19,7 +18,7 @@ from aruntime.allocator import Allocator, BufferSpec
 from aruntime.buffer import Buffer
 from aruntime.compiler import Compiler
 from aruntime.dtype import DType, dtypes
-from aruntime.engine import COPY, EXEC, Command, CommandQueue, CopyFn, Engine, Op, ThreadEngine
+from aruntime.engine import COPY, EXEC, Command, CommandQueue, CopyFn, Engine, Op, ThreadEngine, first_failure
 from aruntime.errors import BufferUsageError, DeviceError
 from aruntime.events import DependencyEvent, DeviceEvent, recorder
 from aruntime.helpers import after_all, canonicalize, getenv, pin
@@ -280,12 +279,7 @@ class BaseDevice:
     def _raise_failures(self) -> None:
         failed = self.compute.take_failures() + self.copy.take_failures()
         if failed:
-            failed[0].observed = True
-            error = failed[0].error
-            assert error is not None
-            if len(failed) > 1 and sys.version_info >= (3, 11):
-                error.add_note(f"{len(failed) - 1} more op(s) on {self.name} failed unobserved")
-            raise error
+            raise first_failure(failed, f"on {self.name} failed unobserved")
 
     async def settle(self) -> None:
         """Wait for all work submitted so far (held ops included) to finish; raises nothing."""

@@ -12,6 +12,7 @@ commands on a Python worker thread; a backend with hardware queues subclasses
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
@@ -164,14 +165,14 @@ class Op:
         """Wait until the op is done, whatever its outcome (cancelling the wait leaves the op alone)."""
         engine = self._submitted()
         if self.value == HELD:
-            await wait_registered(self.when_done, engine.signal.timeout, self._held_timeout)
+            limit = engine.signal.timeout
+            await wait_registered(self.when_done, limit, lambda: self._held_timeout(limit))
         elif engine.signal.value < self.value:
             await engine.signal.wait_async(self.value)
 
-    def _held_timeout(self) -> SignalTimeout:
+    def _held_timeout(self, limit: float) -> SignalTimeout:
         state = "still held (not handed to its engine)" if self.value == HELD else "not done"
-        timeout = self._submitted().signal.timeout
-        return SignalTimeout(f"{self.name} on {self._submitted().signal.name}: {state} after {timeout:g} s")
+        return SignalTimeout(f"{self.name} on {self._submitted().signal.name}: {state} after {limit:g} s")
 
     def done(self) -> bool:
         """Whether the engine has finished with this op (successfully or not)."""
@@ -206,8 +207,9 @@ class Op:
             return
         finished = threading.Event()
         self.when_done(finished.set)
-        if not finished.wait(signal.timeout if timeout is None else timeout):
-            raise self._held_timeout()
+        limit = signal.timeout if timeout is None else timeout
+        if not finished.wait(limit):
+            raise self._held_timeout(limit)
 
     def _submitted(self) -> Engine:
         if self.engine is None:
@@ -316,6 +318,20 @@ def check_deps(op: Op) -> None:
         if error is not None:
             first = error.first if isinstance(error, DependencyError) else dep.name
             raise DependencyError(f"{op.name} was not run: it depends on {first}, which failed", first)
+
+
+def first_failure(failed: Sequence[Op], others: str) -> BaseException:
+    """The error to raise for ``failed`` ops (each with an error): the first root cause, that is the first
+    error that is not a :class:`DependencyError`, else the first error. Marks every op observed; when there
+    are several, notes how many more ``others`` (e.g. "failed in this scheduler")."""
+    roots = [op for op in failed if not isinstance(op.error, DependencyError)]
+    error = (roots or failed)[0].error
+    assert error is not None
+    for op in failed:
+        op.observed = True
+    if len(failed) > 1 and sys.version_info >= (3, 11):
+        error.add_note(f"{len(failed) - 1} more op(s) {others}")
+    return error
 
 
 class ThreadEngine(Engine):

@@ -19,8 +19,8 @@ from typing import Any
 
 from aruntime.buffer import Buffer
 from aruntime.device import BaseDevice, Program, check_scalar, check_scalars, dispatch_when_ready
-from aruntime.engine import COPY, EXEC, SIGNAL, TIMESTAMP, WAIT, Command, Engine, Op
-from aruntime.errors import BufferUsageError, DependencyError, DeviceError
+from aruntime.engine import COPY, EXEC, SIGNAL, TIMESTAMP, WAIT, Command, Engine, Op, first_failure
+from aruntime.errors import BufferUsageError, DeviceError
 from aruntime.events import GraphEntry, GraphEvent, recorder
 from aruntime.helpers import after_all, pin
 from aruntime.signal import TimelineSignal
@@ -446,10 +446,5 @@ class GraphRun:
             await op.settled()
         failed = [op for op in self.ops if op.error is not None]
         if failed:
-            for op in failed:
-                op.observed = True
-            roots = [op for op in failed if not isinstance(op.error, DependencyError)]
-            error = (roots or failed)[0].error
-            assert error is not None
-            raise error
+            raise first_failure(failed, "of this replay failed")
         return self.results

@@ -10,7 +10,6 @@ latest on exit, and a shielded, bounded drain when the scope is cancelled.
 
 from __future__ import annotations
 
-import sys
 from collections import deque
 from collections.abc import Sequence
 from types import TracebackType
@@ -19,9 +18,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from aruntime.buffer import Buffer
-from aruntime.device import BaseDevice, Program
-from aruntime.engine import Engine, Op
-from aruntime.errors import DependencyError
+from aruntime.device import Program
+from aruntime.engine import Engine, Op, first_failure
 
 if TYPE_CHECKING:
     from aruntime.graph import Graph, GraphRun
@@ -48,7 +46,6 @@ class Scheduler:
         self.drain_timeout = drain_timeout
         self._inflight: deque[Op] = deque()
         self._queued: deque[anyio.Event] = deque()  # tasks waiting for room in the window, first come first served
-        self._devices: dict[str, BaseDevice] = {}  # buffer.device -> device, without the registry's lookup each time
         self._failed: list[Op] = []
         self._open = False
 
@@ -107,17 +104,8 @@ class Scheduler:
         self._retire()
         failed = [op for op in self._failed if not op.observed]
         self._failed = []
-        if not failed:
-            return
-        roots = [op for op in failed if not isinstance(op.error, DependencyError)]
-        first = (roots or failed)[0]
-        for op in failed:
-            op.observed = True
-        error = first.error
-        assert error is not None
-        if len(failed) > 1 and sys.version_info >= (3, 11):
-            error.add_note(f"{len(failed) - 1} more op(s) failed in this scheduler (dependents included)")
-        raise error
+        if failed:
+            raise first_failure(failed, "failed in this scheduler (dependents included)")
 
     async def drain(self) -> None:
         """Wait for everything enqueued so far; raise the first failure nobody awaited."""
@@ -159,12 +147,6 @@ class Scheduler:
             if head and queued:
                 queued[0].set()
 
-    def _owner(self, buf: Buffer) -> BaseDevice:
-        dev = self._devices.get(buf.device)
-        if dev is None:
-            dev = self._devices[buf.device] = buf.owner
-        return dev
-
     def _track(self, op: Op) -> Op:
         self._inflight.append(op)
         return op
@@ -173,19 +155,19 @@ class Scheduler:
         """Enqueue a copy of host ``data`` into ``buf`` (waits while the window is full)."""
         if not self._has_room():
             await self._admit()
-        return self._track(self._owner(buf).copyin(buf, data, hold=True))
+        return self._track(buf.owner.copyin(buf, data, hold=True))
 
     async def copyout(self, buf: Buffer, into: Any = None) -> Op:
         """Enqueue a copy of ``buf`` to the host; awaiting the handle gives the data."""
         if not self._has_room():
             await self._admit()
-        return self._track(self._owner(buf).copyout(buf, into, hold=True))
+        return self._track(buf.owner.copyout(buf, into, hold=True))
 
     async def transfer(self, dst: Buffer, src: Buffer) -> Op:
         """Enqueue a device-to-device copy on the source's copy queue."""
         if not self._has_room():
             await self._admit()
-        return self._track(self._owner(src).transfer(dst, src, hold=True))
+        return self._track(src.owner.transfer(dst, src, hold=True))
 
     async def launch(
         self, prog: Program, *bufs: Buffer, vals: Sequence[int | float] = (), outs: Sequence[int] | None = None

@@ -13,6 +13,7 @@ import anyio
 import pytest
 
 from aruntime import (
+    Buffer,
     BufferUsageError,
     CompileError,
     DependencyError,
@@ -470,3 +471,39 @@ async def test_an_op_held_for_an_engine_closed_meanwhile_fails_instead_of_hangin
     assert held.done() and not dev.compute.held
     await dev.synchronize()  # the failure was seen by its awaiter: nothing more to raise
     dev.close()
+
+
+async def test_synchronize_raises_the_root_failure_before_its_dependents() -> None:
+    dev = Device["CPU:8"]
+    prog = await dev.compile(ADD_ONE, outs=(0,))
+    out, src = await dev.allocate(8), await dev.allocate(8)
+    dev.inline_copy_max = 0  # the copy-in on the copy queue, so its failure is listed after the kernel's
+
+    def broken_copy(dst: int, src: int, nbytes: int) -> None:
+        raise OSError("disk on fire")
+
+    try:
+        dev.copy_fn = broken_copy  # type: ignore[method-assign]
+        dev.copyin(src, bytes(8))
+        del dev.copy_fn
+        dev.launch(prog, out, src, vals=(8,), outs=(0,))
+        with anyio.fail_after(10), pytest.raises(OpError, match="disk on fire") as info:
+            await dev.synchronize()
+        assert not isinstance(info.value, DependencyError)
+        assert "1 more op(s) on CPU:8 failed unobserved" in getattr(info.value, "__notes__", [""])[0]
+    finally:
+        dev.inline_copy_max = 64 << 10
+
+
+def test_a_held_wait_that_times_out_names_its_own_limit() -> None:
+    dev = Device["CPU:8"]
+    gate = TimelineSignal("test gate", timeout=10)
+    dev.copy.submit(CommandQueue().wait(gate, 1), Op("gate"))
+    buf = Buffer("CPU:8", 8, preallocate=True)
+    dev.copyin(buf, bytes(8))
+    held = dev.launch(Failing(dev, "after the copy", b""), buf, hold=True)  # held behind the gated copy
+    with pytest.raises(SignalTimeout, match=r"still held .* after 0\.2 s"):
+        held.wait_done(0.2)
+    gate.set(1)
+    with pytest.raises(OpError, match="kernel blew up"):
+        held.wait(10)

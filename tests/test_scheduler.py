@@ -215,3 +215,13 @@ async def test_held_op_behind_a_failure_fails_with_the_first_cause() -> None:
                 await reader
     await dev.synchronize()
     await dev.free(buf)
+
+
+async def test_a_scheduler_follows_a_device_that_was_closed_and_reopened() -> None:
+    before = Buffer("CPU:9", 8, preallocate=True)
+    async with Scheduler() as sched:
+        await (await sched.copyin(before, bytes(8)))
+        Device["CPU:9"].close()
+        after = Buffer("CPU:9", 8, preallocate=True)  # on the device opened under that name now
+        await (await sched.copyin(after, b"abcdefgh"))
+        assert bytes(await (await sched.copyout(after))) == b"abcdefgh"
