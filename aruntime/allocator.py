@@ -77,7 +77,8 @@ class Allocator(Generic[H]):
 class LRUAllocator(Allocator[H]):
     """Keeps freed handles keyed by (size, spec) and hands them out again.
 
-    ``nolru`` in the spec, or ``LRU=0`` in the environment, frees at once. When
+    ``nolru`` in the spec, or ``LRU=0`` in the environment when the allocator is
+    made (the device opens), frees at once. When
     the backend runs out of memory, the whole cache is really freed and the
     allocation retried once. Safe to use from several threads.
     """
@@ -85,6 +86,8 @@ class LRUAllocator(Allocator[H]):
     def __init__(self, device: str) -> None:
         super().__init__(device)
         self.cache: defaultdict[tuple[int, BufferSpec], list[H]] = defaultdict(list)
+        self.lru = bool(getenv("LRU", 1))
+        """Whether freed handles are kept for reuse (env ``LRU``, default 1)."""
         self._lock = threading.Lock()
 
     @property
@@ -110,7 +113,7 @@ class LRUAllocator(Allocator[H]):
 
     def free(self, handle: H, size: int, spec: BufferSpec | None = None) -> None:
         spec = spec or DEFAULT_SPEC
-        if spec.nolru or spec.external_ptr is not None or not getenv("LRU", 1):
+        if spec.nolru or spec.external_ptr is not None or not self.lru:
             super().free(handle, size, spec)
             return
         with self._lock:

@@ -104,14 +104,19 @@ class BaseDevice:
     # ---- capabilities -------------------------------------------------------------------------------
 
     def is_dtype_supported(self, dtype: DType) -> bool:
-        """Whether kernels of this device can use ``dtype`` (bfloat16 only where really supported)."""
-        return dtype != dtypes.bfloat16
+        """Whether kernels of this device can use ``dtype``: every dtype but bfloat16 (and its vectors) unless a
+        backend says it really supports it."""
+        return dtype.scalar() != dtypes.bfloat16
 
     # ---- memory -------------------------------------------------------------------------------------
 
     async def allocate(self, size: int, dtype: DType = dtypes.uint8, spec: BufferSpec | None = None) -> Buffer:
-        """A new allocated buffer of ``size`` elements of ``dtype`` on this device."""
-        return Buffer(self.name, size, dtype, spec, preallocate=True)
+        """A new allocated buffer of ``size`` elements of ``dtype`` on this device.
+
+        A file-backed device maps the file on a worker thread (file system calls); others allocate at once.
+        """
+        make = functools.partial(Buffer, self.name, size, dtype, spec, preallocate=True)
+        return await anyio.to_thread.run_sync(make) if self.file_backed else make()
 
     async def free(self, buf: Buffer) -> None:
         """Free ``buf``. It is unusable at once; its memory is released when its in-flight ops finish.
@@ -284,15 +289,17 @@ class BaseDevice:
     async def settle(self) -> None:
         """Wait for all work submitted so far (held ops included) to finish; raises nothing."""
         for engine in (self.compute, self.copy):
-            while engine.held:
-                await next(iter(tuple(engine.held))).settled()
+            while engine.held:  # held ops may hold up others that get held meanwhile: until none is left
+                for op in tuple(engine.held):
+                    await op.settled()
             await engine.signal.wait_async(engine.last)
 
     def settle_blocking(self, timeout: float | None = None) -> None:
         """:meth:`settle` for threads outside any event loop; each wait gives up after ``timeout`` seconds."""
         for engine in (self.compute, self.copy):
             while engine.held:
-                next(iter(tuple(engine.held))).wait_done(timeout)
+                for op in tuple(engine.held):
+                    op.wait_done(timeout)
             engine.signal.wait(engine.last, timeout)
 
     async def synchronize(self) -> None:

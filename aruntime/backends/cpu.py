@@ -22,7 +22,6 @@ from aruntime.allocator import HostAllocator
 from aruntime.compile_cache import cache_get, cache_put
 from aruntime.compiler import Compiler
 from aruntime.device import BaseDevice, Bound, Program
-from aruntime.dtype import DType, dtypes
 from aruntime.errors import CompileError
 
 FLAGS = ("-O2", "-fPIC", "-shared")
@@ -156,10 +155,6 @@ class CPUDevice(BaseDevice):
     allocator_type = HostAllocator
     compiler_type = CCompiler
     copy_fn = staticmethod(ctypes.memmove)
-
-    def is_dtype_supported(self, dtype: DType) -> bool:
-        """Every dtype but bfloat16, which the system C compiler is not assumed to support."""
-        return dtype.scalar() != dtypes.bfloat16
 
 
 device_class = CPUDevice
