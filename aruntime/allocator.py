@@ -144,7 +144,20 @@ def host_view(address: int, size: int) -> memoryview:
     return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
 
 
-class HostAllocator(LRUAllocator[int]):
+class HostAddressed:
+    """The copy and view hooks of an allocator whose handles are host addresses (mix in before the allocator)."""
+
+    def _copyin(self, dest: int, src: memoryview) -> None:
+        host_view(dest, src.nbytes)[:] = src.cast("B")
+
+    def _copyout(self, dest: memoryview, src: int) -> None:
+        dest.cast("B")[:] = host_view(src, dest.nbytes)
+
+    def _offset(self, handle: int, size: int, offset: int) -> int:
+        return handle + offset
+
+
+class HostAllocator(HostAddressed, LRUAllocator[int]):
     """Host memory (64-byte aligned, so also 16-byte aligned); handles are addresses."""
 
     def _alloc(self, size: int, spec: BufferSpec) -> int:
@@ -159,14 +172,5 @@ class HostAllocator(LRUAllocator[int]):
         if spec.external_ptr is None:
             _libc_free(handle)
 
-    def _copyin(self, dest: int, src: memoryview) -> None:
-        host_view(dest, src.nbytes)[:] = src.cast("B")
-
-    def _copyout(self, dest: memoryview, src: int) -> None:
-        dest.cast("B")[:] = host_view(src, dest.nbytes)
-
     def _as_buffer(self, handle: int, size: int) -> memoryview:
         return host_view(handle, size)
-
-    def _offset(self, handle: int, size: int, offset: int) -> int:
-        return handle + offset

@@ -52,10 +52,10 @@ class AccessLog:
         live = []
         for entry in self.entries:
             s, e, w, other = entry
+            if not _matters(w, other):
+                continue  # finished and valid: nothing to order after or to inherit
             overlap = s < end and start < e
-            if other.done():
-                if not (w and other.error is not None):
-                    continue  # finished and valid: nothing to order after or to inherit
+            if other.done():  # a failed write
                 if consumes and overlap and other not in inputs:
                     inputs.append(other)
             else:
@@ -77,5 +77,10 @@ class AccessLog:
 
     def pending(self) -> list[Op]:
         """The ops still in flight on this buffer."""
-        self.entries = [e for e in self.entries if not e[3].done() or (e[2] and e[3].error is not None)]
+        self.entries = [e for e in self.entries if _matters(e[2], e[3])]
         return [e[3] for e in self.entries if not e[3].done()]
+
+
+def _matters(write: bool, op: Op) -> bool:
+    """Whether an access stays in the log: its op is in flight, or it is a write that failed."""
+    return not op.done() or (write and op.error is not None)

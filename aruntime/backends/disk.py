@@ -21,7 +21,7 @@ import os
 import threading
 from collections.abc import Sequence
 
-from aruntime.allocator import Allocator, BufferSpec, host_view
+from aruntime.allocator import Allocator, BufferSpec, HostAddressed
 from aruntime.buffer import Buffer
 from aruntime.device import BaseDevice, Program
 from aruntime.dtype import DType
@@ -30,15 +30,11 @@ from aruntime.errors import AllocationError, DeviceError
 
 
 def _address(mapping: mmap.mmap) -> int:
-    """The host address of ``mapping``'s first byte (the temporary buffer export is released again)."""
-    anchor = ctypes.c_char.from_buffer(mapping)
-    try:
-        return ctypes.addressof(anchor)
-    finally:
-        del anchor
+    """The host address of ``mapping``'s first byte (the temporary buffer export goes with the anchor)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(mapping))
 
 
-class DiskAllocator(Allocator[int]):
+class DiskAllocator(HostAddressed, Allocator[int]):
     """Maps regions of the device's file; a handle is the mapping's host address.
 
     Not an LRU allocator: freeing closes the mapping at once (a mapping still exported through a
@@ -99,12 +95,6 @@ class DiskAllocator(Allocator[int]):
                     return mapping, address - start
         return None
 
-    def _copyin(self, dest: int, src: memoryview) -> None:
-        host_view(dest, src.nbytes)[:] = src.cast("B")
-
-    def _copyout(self, dest: memoryview, src: int) -> None:
-        dest.cast("B")[:] = host_view(src, dest.nbytes)
-
     def _as_buffer(self, handle: int, size: int) -> memoryview:
         """A zero-copy view of the file's bytes; it keeps the mapping alive while it exists."""
         found = self._mapping_at(handle, size)
@@ -112,9 +102,6 @@ class DiskAllocator(Allocator[int]):
             raise DeviceError(f"{self.device}: {size} bytes at {handle:#x} are not inside a live mapping")
         mapping, start = found
         return memoryview(mapping)[start : start + size]
-
-    def _offset(self, handle: int, size: int, offset: int) -> int:
-        return handle + offset
 
     def flush(self) -> None:
         """Write every live mapping back to the file (``msync``)."""
