@@ -131,12 +131,13 @@ class BaseDevice:
 
     # ---- ops ----------------------------------------------------------------------------------------
 
-    def _check(self, buf: Buffer, what: str) -> None:
+    def _check(self, buf: Buffer, what: str) -> Any:
+        """``buf``'s handle, once ``buf`` is checked to be an allocated buffer of this device."""
         if not isinstance(buf, Buffer):
             raise BufferUsageError(f"{what}: expected a Buffer, got {type(buf).__name__}")
         if buf.device != self.name:
             raise BufferUsageError(f"{what}: {buf!r} belongs to {buf.device}, not {self.name}")
-        buf.handle  # noqa: B018 - raises if unallocated or freed
+        return buf.handle  # raises if unallocated or freed
 
     def _submit(
         self,
@@ -186,24 +187,24 @@ class BaseDevice:
         for another queue is kept off its queue until then, so later independent
         ops go first (see :func:`dispatch_when_ready`).
         """
-        self._check(buf, "copyin")
+        handle = self._check(buf, "copyin")
         holder, address, nbytes = pin(data)
         if nbytes != buf.nbytes:
             raise BufferUsageError(f"copyin: source has {nbytes} bytes, {buf!r} has {buf.nbytes}")
         name = f"copyin {nbytes} B"
-        body: list[Command] = [(COPY, name, self.copy_fn, buf.handle, address, nbytes)]
+        body: list[Command] = [(COPY, name, self.copy_fn, handle, address, nbytes)]
         return self._submit(self._copy_engine(buf, True), name, body, (), (buf,), (holder, buf), hold=hold)
 
     def copyout(self, buf: Buffer, into: Any = None, hold: bool = False) -> Op:
         """Copy ``buf`` out; the op's result is ``into`` (a writable buffer) or a new bytearray. ``hold``: see
         :meth:`copyin`."""
-        self._check(buf, "copyout")
+        handle = self._check(buf, "copyout")
         dest = bytearray(buf.nbytes) if into is None else into
         holder, address, nbytes = pin(dest, writable=True)
         if nbytes != buf.nbytes:
             raise BufferUsageError(f"copyout: destination has {nbytes} bytes, {buf!r} has {buf.nbytes}")
         name = f"copyout {nbytes} B"
-        body: list[Command] = [(COPY, name, self.copy_fn, address, buf.handle, nbytes)]
+        body: list[Command] = [(COPY, name, self.copy_fn, address, handle, nbytes)]
         return self._submit(self._copy_engine(buf, False), name, body, (buf,), (), (holder, buf), dest, hold)
 
     def transfer(self, dst: Buffer, src: Buffer, hold: bool = False) -> Op:
@@ -211,15 +212,15 @@ class BaseDevice:
 
         The destination device's later work on ``dst`` waits for it. ``hold``: see :meth:`copyin`.
         """
-        self._check(src, "transfer")
+        src_handle = self._check(src, "transfer")
         if not isinstance(dst, Buffer):
             raise BufferUsageError(f"transfer: expected a Buffer destination, got {type(dst).__name__}")
         dst_dev = dst.owner
-        dst_dev._check(dst, "transfer")
+        dst_handle = dst_dev._check(dst, "transfer")
         if dst.nbytes != src.nbytes:
             raise BufferUsageError(f"transfer: {src!r} has {src.nbytes} bytes, {dst!r} has {dst.nbytes}")
         name = f"transfer {src.nbytes} B {self.name}->{dst_dev.name}"
-        body: list[Command] = [(COPY, name, self.copy_fn, dst.handle, src.handle, src.nbytes)]
+        body: list[Command] = [(COPY, name, self.copy_fn, dst_handle, src_handle, src.nbytes)]
         return self._submit(self.copy, name, body, (src,), (dst,), (src, dst), hold=hold)
 
     async def compile(self, src: str, name: str = "kernel", outs: Sequence[int] | None = None) -> Program:
