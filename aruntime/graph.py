@@ -58,6 +58,7 @@ class _Entry:
     prog: Program | None = None
     bufs: tuple[Buffer, ...] = ()
     vals: tuple[int | float | Param, ...] = ()
+    nbytes: int = 0  # a copy's size
     command: tuple[tuple[Any, ...], Command] | None = None  # a Param launch's last (handles, scalars, types), command
 
 
@@ -126,13 +127,13 @@ class Graph:
         """Capture a copy of the host input named ``source`` into ``buf``."""
         _check_name("graph copyin", source)
         dev = _owner(buf, "graph copyin")
-        self._add(_Entry("copyin", dev, dev.copy, f"copyin {buf.nbytes} B", (), (buf,), host=source))
+        self._add(_Entry("copyin", dev, dev.copy, f"copyin {buf.nbytes} B", (), (buf,), host=source, nbytes=buf.nbytes))
 
     def copyout(self, buf: Buffer, dest: str) -> None:
         """Capture a copy of ``buf`` to the host; the replay's result ``dest`` holds it."""
         _check_name("graph copyout", dest)
         dev = _owner(buf, "graph copyout")
-        self._add(_Entry("copyout", dev, dev.copy, f"copyout {buf.nbytes} B", (buf,), (), host=dest))
+        self._add(_Entry("copyout", dev, dev.copy, f"copyout {buf.nbytes} B", (buf,), (), host=dest, nbytes=buf.nbytes))
 
     def transfer(self, dst: Buffer, src: Buffer) -> None:
         """Capture a device-to-device copy on the source's copy engine."""
@@ -140,7 +141,7 @@ class Graph:
         _owner(dst, "graph transfer")
         if dst.nbytes != src.nbytes:
             raise BufferUsageError(f"graph transfer: {src!r} has {src.nbytes} bytes, {dst!r} has {dst.nbytes}")
-        self._add(_Entry("transfer", dev, dev.copy, f"transfer {src.nbytes} B", (src,), (dst,)))
+        self._add(_Entry("transfer", dev, dev.copy, f"transfer {src.nbytes} B", (src,), (dst,), nbytes=src.nbytes))
 
     def launch(
         self,
@@ -249,7 +250,7 @@ class Graph:
             for j in d:
                 near[j].add(i)
         for i, e in enumerate(entries):
-            small = e.kind in ("copyin", "copyout") and (e.reads + e.writes)[0].nbytes <= e.device.inline_copy_max
+            small = e.kind in ("copyin", "copyout") and e.nbytes <= e.device.inline_copy_max
             if small and any(entries[j].kind == "launch" and entries[j].device is e.device for j in near[i]):
                 engines[i] = e.device.compute
         return engines
@@ -278,7 +279,8 @@ class Graph:
         unknown = inputs.keys() - plan.needed - plan.outputs
         if unknown:
             raise ValueError(f"{self!r} replay got unknown inputs: {', '.join(sorted(unknown))}")
-        handles = [b.handle for b in bufs]  # raises if one was freed
+        # a root's own handle, where it has one; anything else through the property, which raises if it was freed
+        handles = [b._handle if b._base is None and b._handle is not None else b.handle for b in bufs]
         fixed = self._fixed
         if fixed is None or fixed[0] != handles:  # replays mostly repeat the buffers: reuse what depends on them only
             fixed = self._fixed = (handles, [None] * len(self.entries))
@@ -338,7 +340,7 @@ class Graph:
         entry, slots = step.entry, step.slots
         if entry.kind == "transfer":
             src, dst = slots
-            return (COPY, entry.name, entry.device.copy_fn, handles[dst], handles[src], entry.reads[0].nbytes)
+            return (COPY, entry.name, entry.device.copy_fn, handles[dst], handles[src], entry.nbytes)
         if entry.kind == "launch" and not any(isinstance(v, Param) for v in entry.vals):
             prog = entry.prog
             assert prog is not None
@@ -367,7 +369,7 @@ class Graph:
             command: Command = (EXEC, entry.name, fn, bound)
             entry.command = (key, command)
             return command
-        nbytes = (entry.reads + entry.writes)[0].nbytes
+        nbytes = entry.nbytes
         if entry.kind == "copyin":
             holder, address, size = pin(inputs[entry.host])
             keep.append(holder)
