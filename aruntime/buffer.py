@@ -69,10 +69,10 @@ class Buffer:
             self.log = AccessLog()
         else:
             root = base.base
-            if canonicalize(base.device) != self.device:
+            if base.device != self.device:  # both canonical
                 raise BufferUsageError(f"a view on {self.device} cannot share a buffer of {base.device}")
             self._base = root
-            self.offset = base.offset + offset if base is not root else offset
+            self.offset = base.offset + offset  # a root's offset is 0
             if offset < 0 or self.offset + self.nbytes > root.nbytes:
                 raise BufferUsageError(
                     f"view of {self.nbytes} bytes at offset {self.offset} is out of range of its "

@@ -132,8 +132,12 @@ class DiskDevice(BaseDevice):
         kind, _, path = name.partition(":")
         if not path:
             raise DeviceError(f"{name}: a {kind} device needs a file path, e.g. {kind}:/path/to/file")
-        self.path = path
         super().__init__(name)
+
+    @property
+    def path(self) -> str:
+        """The file this device stores into."""
+        return self.allocator.path
 
     def is_dtype_supported(self, dtype: DType) -> bool:
         """A file stores any dtype that has a size."""
