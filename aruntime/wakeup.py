@@ -25,6 +25,28 @@ from collections.abc import Callable
 from typing import Any
 
 
+class _Deferred(threading.local):
+    wakers: list[Waker] | None = None
+
+
+_deferred = _Deferred()
+
+
+def deferring() -> list[Waker]:
+    """Make the calling thread defer the loop wake-ups it posts: the wakers are collected in the returned
+    list, and the thread wakes their loops by calling :func:`flush` on it. An engine thread uses this to
+    wake a loop once for a run of short commands rather than once per completion."""
+    wakers: list[Waker] = []
+    _deferred.wakers = wakers
+    return wakers
+
+
+def flush(wakers: list[Waker]) -> None:
+    """Wake the loops of the ``wakers`` collected by :func:`deferring` (call on the thread that collected them)."""
+    while wakers:
+        wakers.pop().schedule()
+
+
 class Waiter:
     """A suspended task: an asyncio future or a trio task, cleared once it is resumed or gives up waiting."""
 
@@ -53,9 +75,23 @@ class Waker:
         self._compact_at = 64
 
     def post(self, waiter: Waiter) -> None:
-        """Queue ``waiter`` to be woken on this waker's loop (thread-safe, never blocks on the loop)."""
+        """Queue ``waiter`` to be woken on this waker's loop (thread-safe, never blocks on the loop).
+
+        On a thread inside :func:`deferring`, the loop is only woken when that thread flushes.
+        """
         self._pending.append(waiter)
         if self._scheduled:
+            return
+        deferred = _deferred.wakers
+        if deferred is not None:
+            if self not in deferred:
+                deferred.append(self)
+            return
+        self.schedule()
+
+    def schedule(self) -> None:
+        """Make sure a drain of the pending waiters is scheduled on the loop."""
+        if self._scheduled or not self._pending:
             return
         with self._lock:
             if self._scheduled:  # another thread may have set it meanwhile
