@@ -11,7 +11,8 @@
   launching a small kernel and awaiting the copied-out result (directly on the
   device, and through one shared :class:`Scheduler`), against the same memmoves
   and compiled C function called with ``anyio.to_thread.run_sync`` from 1000
-  tasks.
+  tasks; and the same burst of tasks that only pass a checkpoint, the most any
+  runtime could reach against that baseline (``serving_ceiling``).
 * ``scheduler_graph_replay``: a 30-op sequence (10 x copy-in, launch, copy-out on
   tiny buffers) submitted through the device methods, against a replay of the
   same sequence captured as a :class:`Graph`; cost per op with many sequences
@@ -353,16 +354,21 @@ async def scheduler_serving() -> list[Result]:
         async with Scheduler() as sched:
             return await burst(TASKS, scheduled)
 
+    async def harness(i: int) -> None:  # no request at all: what the burst itself costs
+        await anyio.lowlevel.checkpoint()
+
     variants: dict[str, Callable[[], Awaitable[tuple[float, list[float]]]]] = {
         "runtime": lambda: burst(TASKS, runtime),
         "scheduler": scheduled_burst,
         "to_thread": lambda: burst(TASKS, threaded),
+        "harness": lambda: burst(TASKS, harness),
     }
     for key, run in variants.items():  # warm-up (threads started, code paths hot) that checks every result
         for out in outs:
             out[:] = bytes(nbytes)
         await run()
-        assert all(set(array.array("f", out)) == {2.0 * i} for i, out in enumerate(outs)), f"{key}: wrong result"
+        if key != "harness":
+            assert all(set(array.array("f", out)) == {2.0 * i} for i, out in enumerate(outs)), f"{key}: wrong result"
     seconds: dict[str, list[float]] = {k: [] for k in variants}
     latencies: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(repeats):
@@ -401,6 +407,8 @@ async def scheduler_serving() -> list[Result]:
         for q in (50, 99):
             ours, theirs = ms(key, q), ms("to_thread", q)
             rows.append(result(f"{label}_p{q}", ours, "ms", theirs, theirs / ours, "report only", None, **common))
+    ceiling = rps("harness") / base_rps  # the ratio a runtime that cost nothing would reach
+    rows.append(result("serving_ceiling", rps("harness"), "req/s", base_rps, ceiling, "report only", None, **common))
     return rows
 
 
