@@ -22,7 +22,7 @@ from typing import Any
 from aruntime.errors import DependencyError, DeviceError, OpError, SignalTimeout
 from aruntime.events import now_us, op_ids, recorder
 from aruntime.signal import TimelineSignal, wait_registered
-from aruntime.wakeup import Waker, deferring, flush
+from aruntime.wakeup import Waker, deferral, flush
 
 HELD = 1 << 62
 """The ``value`` of an op that is held: bound for an engine, not yet handed to it."""
@@ -336,10 +336,10 @@ def first_failure(failed: Sequence[Op], others: str) -> BaseException:
 
 
 SHORT_COPY = 1 << 20
-"""Copies up to this size count as short: an engine may finish one before it wakes the loops of tasks
-waiting for earlier ops (see :class:`ThreadEngine`)."""
+"""Copies up to this size count as short: an engine may run one before it wakes the loops of tasks
+awaiting ops it completed earlier (see :class:`ThreadEngine`)."""
 DEFER_NS = 200_000
-"""The longest an engine defers waking a loop while it runs short copies."""
+"""How long an engine may go on with short commands before it wakes the loops it deferred."""
 
 
 class ThreadEngine(Engine):
@@ -348,13 +348,15 @@ class ThreadEngine(Engine):
     ``chunk`` bounds the bytes of one copy call, so a big copy is a series of
     short calls (each releases the GIL) rather than one long one.
 
-    The worker wakes the event loops of tasks awaiting its ops once per run of
-    short copies rather than once per op: while more short copies are queued,
-    it goes on, and wakes them when it runs out of queued work, before a
-    command that may take long (a kernel, a long copy, a wait that blocks), and
-    at least every :data:`DEFER_NS`. Waking a sleeping loop is a system call
-    that costs about as much as a 1 MiB copy; a stream of copies awaited in
-    turn would otherwise pay it for each.
+    When the worker completes an op whose awaiting task's loop is asleep, it
+    does not wake that loop at once if more work is queued: it wakes it when it
+    runs out of queued work, before a command that may take long (a kernel, a
+    copy of more than :data:`SHORT_COPY` bytes, a wait that blocks), and before
+    any command once :data:`DEFER_NS` has passed. Waking a sleeping loop is a
+    system call that costs about as much as a 1 MiB copy; a stream of copies
+    awaited in turn would otherwise pay it for each. Only completions are
+    deferred: a loop woken by a command itself (a kernel setting a signal) is
+    woken at once.
     """
 
     def __init__(self, device: str, kind: str, timeout: float, chunk: int = 8 << 20) -> None:
@@ -362,8 +364,8 @@ class ThreadEngine(Engine):
         self.chunk = chunk
         self._ops: deque[Op | None] = deque()
         self._idle = False  # the worker is (about to be) asleep on the pipe and must be woken
-        self._deferred: list[Waker] = []  # (on the worker) loops to wake, see deferring()
-        self._flush_by = 0
+        self._deferred: list[Waker] = []  # (worker only) wakers whose loops its completions have not woken yet
+        self._flush_by = 0  # perf_counter_ns() deadline for them, 0 until the worker next checks
         self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(target=self._run, name=self.signal.name, daemon=True)
         self._thread.start()
@@ -386,14 +388,7 @@ class ThreadEngine(Engine):
     def _next(self) -> Op | None:
         ops = self._ops
         if self._deferred:
-            if ops:
-                now = perf_counter_ns()
-                if not self._flush_by:
-                    self._flush_by = now + DEFER_NS
-                if now > self._flush_by:
-                    self._flush()
-            else:
-                self._flush()
+            self._flush_if(not ops)
         while not ops:
             self._idle = True
             if ops:  # appended after the check above: no wake-up is coming for it
@@ -402,25 +397,39 @@ class ThreadEngine(Engine):
             os.read(self._wake_r, 4096)  # sleeps without the GIL; extra bytes only cost a spare loop turn
         return ops.popleft()
 
-    def _flush(self) -> None:
+    def _flush_if(self, long: bool) -> None:
+        """Wake the deferred loops if what comes next may take ``long``, or the deferral's time is up."""
+        if not long:
+            now = perf_counter_ns()
+            if not self._flush_by:
+                self._flush_by = now + DEFER_NS
+            if now <= self._flush_by:
+                return
         self._flush_by = 0
         flush(self._deferred)
 
     def _run(self) -> None:
-        self._deferred = deferring()
         get = self._next
         execute = self._execute
         complete = self._complete
-        while (op := get()) is not None:
-            try:
-                execute(op)
-            except BaseException as exc:  # the op's awaiter (or synchronize) receives it
-                complete(op, exc)
-            else:
-                complete(op, None)
-        self._flush()
-        os.close(self._wake_r)  # nothing writes after the end: only a sleeping worker is ever woken
-        os.close(self._wake_w)
+        deferred, local = self._deferred, deferral
+        try:
+            while (op := get()) is not None:
+                try:
+                    execute(op)
+                except BaseException as exc:  # the op's awaiter (or synchronize) receives it
+                    error: BaseException | None = exc
+                else:
+                    error = None
+                local.wakers = deferred
+                try:
+                    complete(op, error)
+                finally:
+                    local.wakers = None
+        finally:
+            self._flush_if(True)
+            os.close(self._wake_r)  # nothing writes after the end: only a sleeping worker is ever woken
+            os.close(self._wake_w)
 
     def _execute(self, op: Op) -> None:
         assert op.cmds is not None
@@ -429,12 +438,11 @@ class ThreadEngine(Engine):
         for i, cmd in enumerate(cmds):
             try:
                 kind = cmd[0]
-                if self._deferred and (kind == EXEC or (kind == COPY and cmd[5] > SHORT_COPY)):
-                    self._flush()
+                if self._deferred:  # a kernel, a long copy or a blocking wait may take long
+                    blocks = kind == WAIT and cmd[1].value < cmd[2]
+                    self._flush_if(kind == EXEC or (kind == COPY and cmd[5] > SHORT_COPY) or blocks)
                 if kind < EXEC:
                     if kind == WAIT:
-                        if self._deferred and cmd[1].value < cmd[2]:
-                            self._flush()
                         cmd[1].wait(cmd[2])
                         checked = not op.inputs  # a producer on the queue waited for may have failed: check again
                     elif kind == SIGNAL:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import logging
 import math
 import threading
 import weakref
@@ -24,27 +25,29 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+_log = logging.getLogger("aruntime")
 
-class _Deferred(threading.local):
+
+class Deferral(threading.local):
+    """Per thread: while ``wakers`` is a list, the loop wake-ups that the thread posts are deferred, each
+    waker collected once in that list, until :func:`flush` wakes their loops. An engine thread sets it around
+    completing an op to wake a loop once for a run of completions rather than once each."""
+
     wakers: list[Waker] | None = None
 
 
-_deferred = _Deferred()
-
-
-def deferring() -> list[Waker]:
-    """Make the calling thread defer the loop wake-ups it posts: the wakers are collected in the returned
-    list, and the thread wakes their loops by calling :func:`flush` on it. An engine thread uses this to
-    wake a loop once for a run of short commands rather than once per completion."""
-    wakers: list[Waker] = []
-    _deferred.wakers = wakers
-    return wakers
+deferral = Deferral()
+"""The calling thread's :class:`Deferral`."""
 
 
 def flush(wakers: list[Waker]) -> None:
-    """Wake the loops of the ``wakers`` collected by :func:`deferring` (call on the thread that collected them)."""
+    """Wake the loops of the ``wakers`` that a :class:`Deferral` collected, and empty the list."""
     while wakers:
-        wakers.pop().schedule()
+        waker = wakers.pop()
+        try:
+            waker.schedule()
+        except Exception:  # one waker must not strand the others, nor stop the engine thread that flushes
+            _log.exception("waking an event loop failed")
 
 
 class Waiter:
@@ -77,12 +80,13 @@ class Waker:
     def post(self, waiter: Waiter) -> None:
         """Queue ``waiter`` to be woken on this waker's loop (thread-safe, never blocks on the loop).
 
-        On a thread inside :func:`deferring`, the loop is only woken when that thread flushes.
+        While the calling thread defers its wake-ups (see :class:`Deferral`), the loop is only woken
+        when that thread flushes them.
         """
         self._pending.append(waiter)
         if self._scheduled:
             return
-        deferred = _deferred.wakers
+        deferred = deferral.wakers
         if deferred is not None:
             if self not in deferred:
                 deferred.append(self)
