@@ -11,8 +11,11 @@
   launching a small kernel and awaiting the copied-out result (directly on the
   device, and through one shared :class:`Scheduler`), against the same memmoves
   and compiled C function called with ``anyio.to_thread.run_sync`` from 1000
-  tasks; and the same burst of tasks that only pass a checkpoint, the most any
-  runtime could reach against that baseline (``serving_ceiling``).
+  tasks; the same requests served through a :class:`~aruntime.batching.Batcher`
+  that packs those that come together into one launch
+  (``serving_batched_throughput``); and the same burst of tasks that only pass
+  a checkpoint, the most any runtime could reach against that baseline
+  (``serving_ceiling``).
 * ``scheduler_graph_replay``: a 30-op sequence (10 x copy-in, launch, copy-out on
   tiny buffers) submitted through the device methods, against a replay of the
   same sequence captured as a :class:`Graph`; cost per op with many sequences
@@ -35,6 +38,7 @@ from typing import Any
 import anyio
 
 from aruntime import Buffer, Device, Op, Program, dtypes
+from aruntime.batching import Batcher
 from aruntime.device import BaseDevice
 from aruntime.events import RangeEvent, recorder
 from aruntime.graph import Graph
@@ -354,12 +358,41 @@ async def scheduler_serving() -> list[Result]:
         async with Scheduler() as sched:
             return await burst(TASKS, scheduled)
 
+    # batched: the requests that come together are packed into one buffer, one launch and one copy-out
+    xb, yb = await dev.allocate(TASKS * n, dtypes.float32), await dev.allocate(TASKS * n, dtypes.float32)
+    stage_in, stage_out = memoryview(bytearray(TASKS * nbytes)), memoryview(bytearray(TASKS * nbytes))
+    request_bytes = [memoryview(r).cast("B") for r in requests]
+
+    async def run_batch(batch: list[int]) -> list[None]:
+        k = len(batch)
+        for j, i in enumerate(batch):
+            stage_in[j * nbytes : (j + 1) * nbytes] = request_bytes[i]
+        x, y = xb.view(k * n, dtypes.float32, 0), yb.view(k * n, dtypes.float32, 0)
+        dev.copyin(x, stage_in[: k * nbytes])
+        dev.launch(prog, y, x, vals=(k * n, 2.0))
+        await dev.copyout(y, stage_out[: k * nbytes])
+        for j, i in enumerate(batch):
+            outs[i][:] = stage_out[j * nbytes : (j + 1) * nbytes]
+        return [None] * k
+
+    batcher: Batcher[int, None] | None = None
+
+    async def batched(i: int) -> None:
+        assert batcher is not None
+        await batcher(i)
+
+    async def batched_burst() -> tuple[float, list[float]]:
+        nonlocal batcher
+        async with Batcher(run_batch, max_batch=TASKS) as batcher:
+            return await burst(TASKS, batched)
+
     async def harness(i: int) -> None:  # no request at all: what the burst itself costs
         await anyio.lowlevel.checkpoint()
 
     variants: dict[str, Callable[[], Awaitable[tuple[float, list[float]]]]] = {
         "runtime": lambda: burst(TASKS, runtime),
         "scheduler": scheduled_burst,
+        "batched": batched_burst,
         "to_thread": lambda: burst(TASKS, threaded),
         "harness": lambda: burst(TASKS, harness),
     }
@@ -407,8 +440,26 @@ async def scheduler_serving() -> list[Result]:
         for q in (50, 99):
             ours, theirs = ms(key, q), ms("to_thread", q)
             rows.append(result(f"{label}_p{q}", ours, "ms", theirs, theirs / ours, "report only", None, **common))
+    ours_lat = {"p50_ms": ms("batched", 50), "p99_ms": ms("batched", 99)}
+    batched_ratio = rps("batched") / base_rps
+    rows.append(
+        result(
+            "serving_batched_throughput",
+            rps("batched"),
+            "req/s",
+            base_rps,
+            batched_ratio,
+            "report only",
+            None,
+            **ours_lat,
+            **base_lat,
+            **common,
+        )
+    )
     ceiling = rps("harness") / base_rps  # the ratio a runtime that cost nothing would reach
     rows.append(result("serving_ceiling", rps("harness"), "req/s", base_rps, ceiling, "report only", None, **common))
+    await dev.free(xb)
+    await dev.free(yb)
     return rows
 
 

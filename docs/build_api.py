@@ -37,7 +37,8 @@ edit by hand. `tests/test_docs.py` fails when this page is out of date. For a
 browsable HTML version run `python docs/build_api.py --html site/`.
 
 The names most programs need are importable from `aruntime` itself; the
-scheduler is `aruntime.scheduler.Scheduler` and graphs are `aruntime.graph.Graph`.
+scheduler is `aruntime.scheduler.Scheduler`, graphs are `aruntime.graph.Graph`
+and the batcher is `aruntime.batching.Batcher`.
 """
 
 _QUALIFIED = re.compile(r"\b(?:" + PACKAGE + r"(?:\.\w+)*|collections\.abc|typing)\.(?=\w)")

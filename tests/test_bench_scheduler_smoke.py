@@ -22,6 +22,7 @@ ROWS = {
     "serving_sched_throughput",
     "serving_sched_p50",
     "serving_sched_p99",
+    "serving_batched_throughput",
     "serving_ceiling",
     "graph_replay_cpu",
     "graph_replay_null",

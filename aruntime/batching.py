@@ -1,0 +1,135 @@
+"""Dynamic batching: many concurrent single-item requests served by one call per batch.
+
+A server of tiny kernels pays the runtime's per-op cost (a few µs of Python
+per op, and a wake-up per awaited result) once per request. A
+:class:`Batcher` gathers the items that concurrent tasks hand it while the
+previous batch runs, and runs them with one call of a batch function (which
+would copy them in as one buffer, launch one kernel over all of them and copy
+the results out), so that cost is paid once per batch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from types import TracebackType
+from typing import Generic, TypeVar
+
+import anyio
+import anyio.abc
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class _Batch(Generic[T, R]):
+    __slots__ = ("done", "error", "items", "results")
+
+    def __init__(self) -> None:
+        self.items: list[T] = []
+        self.done = anyio.Event()
+        self.results: Sequence[R] = ()
+        self.error: BaseException | None = None
+
+
+class Batcher(Generic[T, R]):
+    """An async context manager that serves ``await batcher(item)`` from many tasks with batched calls
+    of ``run``.
+
+    ``run(items)`` gets the items of one batch (at most ``max_batch``, in the
+    order they came) and returns one result per item, in the same order; each
+    caller gets its item's result, or the exception ``run`` raised. One batch
+    runs at a time: the items that come while it runs form the next one, so a
+    lone request is run at once and a burst is run in few calls. A caller
+    that is cancelled stops waiting; its item still runs with its batch.
+    Leaving the context runs what was handed in; if the context is cancelled,
+    callers still waiting get a :class:`RuntimeError`.
+    """
+
+    def __init__(self, run: Callable[[list[T]], Awaitable[Sequence[R]]], max_batch: int = 1024) -> None:
+        if not callable(run):
+            raise TypeError(f"run must be an async function of a list of items, got {run!r}")
+        if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
+            raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
+        self.run = run
+        self.max_batch = max_batch
+        self._ready: deque[_Batch[T, R]] = deque()  # batches waiting to run; the last may still take items
+        self._wake: anyio.Event | None = None  # set when the runner, idle, is needed
+        self._open = False
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    async def __aenter__(self) -> Batcher[T, R]:
+        if self._tg is not None:
+            raise RuntimeError("this batcher is already open")
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._open = True
+        self._tg.start_soon(self._runner)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        assert self._tg is not None
+        self._open = False  # no new items; the runner ends once what was handed in has run
+        self._poke()
+        if exc_type is not None:
+            self._tg.cancel_scope.cancel()
+        try:
+            return await self._tg.__aexit__(exc_type, exc, tb)
+        finally:
+            self._tg = None
+
+    async def __call__(self, item: T) -> R:
+        """Hand ``item`` to the next batch and return its result once the batch has run."""
+        if not self._open:
+            raise RuntimeError("the batcher is not open: use `async with Batcher(run) as batcher:`")
+        ready = self._ready
+        if not ready or len(ready[-1].items) >= self.max_batch:
+            ready.append(_Batch())
+            self._poke()
+        batch = ready[-1]
+        index = len(batch.items)
+        batch.items.append(item)
+        await batch.done.wait()
+        if batch.error is not None:
+            raise batch.error
+        return batch.results[index]
+
+    def _poke(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+            self._wake = None
+
+    async def _runner(self) -> None:
+        ready = self._ready
+        try:
+            while True:
+                if not ready:
+                    if not self._open:
+                        return
+                    self._wake = anyio.Event()
+                    await self._wake.wait()
+                    continue
+                await anyio.lowlevel.checkpoint()  # tasks already woken add their items first
+                await self._run(ready.popleft())  # items that come meanwhile start a new batch
+        finally:  # cancelled: nobody will run what is left
+            for batch in ready:
+                batch.error = RuntimeError("the batcher was closed before this item ran")
+                batch.done.set()
+            ready.clear()
+
+    async def _run(self, batch: _Batch[T, R]) -> None:
+        try:
+            results = await self.run(batch.items)
+            if len(results) != len(batch.items):
+                raise ValueError(f"run returned {len(results)} results for a batch of {len(batch.items)} items")
+        except Exception as exc:
+            batch.error = exc
+        except BaseException:
+            batch.error = RuntimeError("the batcher was closed while this item ran")
+            raise
+        else:
+            batch.results = results
+        finally:
+            batch.done.set()
