@@ -43,7 +43,8 @@ class Batcher(Generic[T, R]):
     lone request is run at once and a burst is run in few calls. A caller
     that is cancelled stops waiting; its item still runs with its batch.
     Leaving the context runs what was handed in; if the context is cancelled,
-    callers still waiting get a :class:`RuntimeError`.
+    callers still waiting get a :class:`RuntimeError`. A batcher serves the
+    tasks of the event loop it was opened in; ``run`` must not call it.
     """
 
     def __init__(self, run: Callable[[list[T]], Awaitable[Sequence[R]]], max_batch: int = 1024) -> None:
