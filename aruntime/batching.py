@@ -23,13 +23,17 @@ R = TypeVar("R")
 
 
 class _Batch(Generic[T, R]):
-    __slots__ = ("done", "error", "items", "results")
+    __slots__ = ("done", "error", "items", "results", "traceback")
 
     def __init__(self) -> None:
         self.items: list[T] = []
         self.done = anyio.Event()
         self.results: Sequence[R] = ()
         self.error: BaseException | None = None
+        self.traceback: TracebackType | None = None  # the error's own, restored for each caller that raises it
+
+    def fail(self, error: BaseException) -> None:
+        self.error, self.traceback = error, error.__traceback__
 
 
 class Batcher(Generic[T, R]):
@@ -42,9 +46,11 @@ class Batcher(Generic[T, R]):
     runs at a time: the items that come while it runs form the next one, so a
     lone request is run at once and a burst is run in few calls. A caller
     that is cancelled stops waiting; its item still runs with its batch.
-    Leaving the context runs what was handed in; if the context is cancelled,
-    callers still waiting get a :class:`RuntimeError`. A batcher serves the
-    tasks of the event loop it was opened in; ``run`` must not call it.
+    Leaving the context runs what was handed in. If its body raises or it is
+    cancelled, the batch that runs is cancelled, and every caller still
+    waiting gets a :class:`RuntimeError` (so does one that calls a batcher
+    that is closed). A batcher serves the tasks of the event loop it was
+    opened in; ``run`` must not call it.
     """
 
     def __init__(self, run: Callable[[list[T]], Awaitable[Sequence[R]]], max_batch: int = 1024) -> None:
@@ -74,10 +80,12 @@ class Batcher(Generic[T, R]):
         assert self._tg is not None
         self._open = False  # no new items; the runner ends once what was handed in has run
         self._poke()
-        if exc_type is not None:
-            self._tg.cancel_scope.cancel()
         try:
-            return await self._tg.__aexit__(exc_type, exc, tb)
+            if exc_type is None or issubclass(exc_type, anyio.get_cancelled_exc_class()):
+                return await self._tg.__aexit__(exc_type, exc, tb)
+            self._tg.cancel_scope.cancel()  # the body failed: stop the runner, and let the error through as it is
+            await self._tg.__aexit__(None, None, None)
+            return None
         finally:
             self._tg = None
 
@@ -94,7 +102,7 @@ class Batcher(Generic[T, R]):
         batch.items.append(item)
         await batch.done.wait()
         if batch.error is not None:
-            raise batch.error
+            raise batch.error.with_traceback(batch.traceback)  # each caller's frames, not all of them
         return batch.results[index]
 
     def _poke(self) -> None:
@@ -114,21 +122,27 @@ class Batcher(Generic[T, R]):
                     continue
                 await anyio.lowlevel.checkpoint()  # tasks already woken add their items first
                 await self._run(ready.popleft())  # items that come meanwhile start a new batch
-        finally:  # cancelled: nobody will run what is left
+        finally:  # done, cancelled or interrupted: nobody will run what is left, or take new items
+            self._open = False
             for batch in ready:
-                batch.error = RuntimeError("the batcher was closed before this item ran")
+                batch.fail(RuntimeError("the batcher was closed before this item ran"))
                 batch.done.set()
             ready.clear()
 
     async def _run(self, batch: _Batch[T, R]) -> None:
+        count = len(batch.items)
         try:
             results = await self.run(batch.items)
-            if len(results) != len(batch.items):
-                raise ValueError(f"run returned {len(results)} results for a batch of {len(batch.items)} items")
+            if len(results) != count:
+                raise ValueError(f"run returned {len(results)} results for a batch of {count} items")
         except Exception as exc:
-            batch.error = exc
-        except BaseException:
-            batch.error = RuntimeError("the batcher was closed while this item ran")
+            batch.fail(exc)
+        except BaseException as exc:
+            closed = isinstance(exc, anyio.get_cancelled_exc_class())
+            why = "the batcher was closed while this item ran" if closed else f"run was stopped: {exc!r}"
+            error = RuntimeError(why)
+            error.__cause__ = exc
+            batch.fail(error)
             raise
         else:
             batch.results = results

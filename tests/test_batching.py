@@ -51,7 +51,7 @@ async def test_a_burst_of_requests_runs_in_batches_of_at_most_max_batch() -> Non
     async with Batcher(run, max_batch=32) as batcher:
         results = await _burst(batcher, range(100))
     assert results == {i: 2 * i for i in range(100)}
-    assert [len(b) for b in run.batches] == [32, 32, 32, 4]  # every task was woken before the first batch ran
+    assert [len(b) for b in run.batches] == [32, 32, 32, 4]  # all 100 were in before the first batch ran
     assert sorted(i for b in run.batches for i in b) == list(range(100))
 
 
@@ -91,19 +91,28 @@ async def test_a_failing_batch_fails_its_callers_only() -> None:
                 errors.append(exc)
 
         async with anyio.create_task_group() as tg:
-            for item in (12, 13, 14):
+            for item in (13, *range(50)):
                 tg.start_soon(one, item)
-        assert len(errors) == 3 and all("unlucky batch" in str(e) for e in errors)
-        assert await batcher(7) == 7  # the batcher goes on
+        assert len(errors) == 51 and all("unlucky batch" in str(e) for e in errors)
+        frames, tb = 0, errors[0].__traceback__
+        while tb is not None:
+            frames, tb = frames + 1, tb.tb_next
+        assert frames < 10  # the last caller's frames and run's, not every caller's
+        assert await batcher(70) == 70  # the batcher goes on
 
 
 async def test_a_batch_function_must_return_one_result_per_item() -> None:
     async def run(items: list[int]) -> list[int]:
         return items[:-1]
 
-    async with Batcher(run) as batcher:
-        with pytest.raises(ValueError, match="run returned 0 results for a batch of 1 items"):
-            await batcher(1)
+    async def run_and_clear(items: list[int]) -> list[int]:
+        items.clear()
+        return []
+
+    for bad in (run, run_and_clear):
+        async with Batcher(bad) as batcher:
+            with pytest.raises(ValueError, match="run returned 0 results for a batch of 1 items"):
+                await batcher(1)
 
 
 async def test_a_cancelled_caller_stops_waiting_and_the_others_get_their_results() -> None:
@@ -135,18 +144,94 @@ async def test_a_cancelled_caller_stops_waiting_and_the_others_get_their_results
 
 async def test_leaving_the_context_runs_what_was_handed_in_then_refuses_new_items() -> None:
     run = Recorder()
+    run.gate = anyio.Event()
     results: dict[int, int] = {}
 
     async def one(item: int) -> None:
         results[item] = await batcher(item)
 
-    async with anyio.create_task_group() as tg, Batcher(run) as batcher:
-        for item in range(5):
-            tg.start_soon(one, item)
-        await anyio.wait_all_tasks_blocked()
-    assert results == {i: 2 * i for i in range(5)}
+    async def release_once_all_wait() -> None:
+        await anyio.wait_all_tasks_blocked()  # the batcher's exit included
+        assert run.gate is not None
+        run.gate.set()
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg, Batcher(run) as batcher:
+            tg.start_soon(one, 0)
+            await anyio.wait_all_tasks_blocked()  # batch [0] runs, held by the gate
+            for item in (1, 2):
+                tg.start_soon(one, item)
+            await anyio.wait_all_tasks_blocked()  # items 1 and 2 wait for the next batch
+            tg.start_soon(release_once_all_wait)
+    assert results == {0: 0, 1: 2, 2: 4}
+    assert [sorted(b) for b in run.batches] == [[0], [1, 2]]
     with pytest.raises(RuntimeError, match="not open"):
         await batcher(5)
+    async with batcher:  # it can be opened again
+        assert await batcher(6) == 12
+
+
+async def test_an_error_in_the_body_cancels_the_batch_and_fails_its_callers() -> None:
+    run = Recorder()
+    run.gate = anyio.Event()  # never set
+    errors: list[str] = []
+    opened = anyio.Event()
+
+    async def one() -> None:
+        await opened.wait()
+        try:
+            await batcher(1)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as callers:
+            callers.start_soon(one)
+            with pytest.raises(ZeroDivisionError):
+                async with Batcher(run) as batcher:
+                    opened.set()
+                    await anyio.wait_all_tasks_blocked()  # item 1 runs, held by the gate
+                    raise ZeroDivisionError("the body failed")
+    assert errors == ["the batcher was closed while this item ran"]
+
+
+async def test_a_batcher_whose_runner_was_cancelled_refuses_new_items_instead_of_hanging() -> None:
+    with anyio.fail_after(10), anyio.CancelScope() as outer:
+        async with Batcher(Recorder()) as batcher:
+            outer.cancel()  # the runner, in the batcher's task group, ends at once
+            with anyio.CancelScope(shield=True), anyio.fail_after(10):  # (the outer limit cannot reach in here)
+                await anyio.wait_all_tasks_blocked()
+                with pytest.raises(RuntimeError, match="not open"):
+                    await batcher(1)
+
+
+async def test_a_batch_function_stopped_by_a_base_exception_fails_its_callers_with_the_cause() -> None:
+    class Abort(BaseException):
+        pass
+
+    async def run(items: list[int]) -> list[int]:
+        raise Abort("stop")
+
+    errors: list[RuntimeError] = []
+    opened = anyio.Event()
+
+    async def one() -> None:
+        await opened.wait()
+        try:
+            await batcher(1)
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as callers:
+            callers.start_soon(one)
+            with pytest.raises(BaseException) as info:  # the batcher's task group reports what stopped its runner
+                async with Batcher(run) as batcher:
+                    opened.set()
+                    await anyio.sleep_forever()
+            assert [type(e) for e in getattr(info.value, "exceptions", ())] == [Abort]
+    assert [str(e) for e in errors] == ["run was stopped: Abort('stop')"]
+    assert isinstance(errors[0].__cause__, Abort)
 
 
 async def test_callers_outside_a_cancelled_batcher_get_an_error_instead_of_hanging() -> None:
