@@ -171,28 +171,26 @@ async def test_leaving_the_context_runs_what_was_handed_in_then_refuses_new_item
         assert await batcher(6) == 12
 
 
+async def _record_error(batcher: Batcher[int, int], item: int, errors: list[RuntimeError]) -> None:
+    """Call ``batcher`` with ``item``, from outside the batcher's block, expecting a RuntimeError."""
+    try:
+        await batcher(item)
+    except RuntimeError as exc:
+        errors.append(exc)
+
+
 async def test_an_error_in_the_body_cancels_the_batch_and_fails_its_callers() -> None:
     run = Recorder()
     run.gate = anyio.Event()  # never set
-    errors: list[str] = []
-    opened = anyio.Event()
-
-    async def one() -> None:
-        await opened.wait()
-        try:
-            await batcher(1)
-        except RuntimeError as exc:
-            errors.append(str(exc))
-
+    errors: list[RuntimeError] = []
     with anyio.fail_after(10):
         async with anyio.create_task_group() as callers:
-            callers.start_soon(one)
             with pytest.raises(ZeroDivisionError):
                 async with Batcher(run) as batcher:
-                    opened.set()
+                    callers.start_soon(_record_error, batcher, 1, errors)
                     await anyio.wait_all_tasks_blocked()  # item 1 runs, held by the gate
                     raise ZeroDivisionError("the body failed")
-    assert errors == ["the batcher was closed while this item ran"]
+    assert [str(e) for e in errors] == ["the batcher was closed while this item ran"]
 
 
 async def test_a_batcher_whose_runner_was_cancelled_refuses_new_items_instead_of_hanging() -> None:
@@ -213,21 +211,11 @@ async def test_a_batch_function_stopped_by_a_base_exception_fails_its_callers_wi
         raise Abort("stop")
 
     errors: list[RuntimeError] = []
-    opened = anyio.Event()
-
-    async def one() -> None:
-        await opened.wait()
-        try:
-            await batcher(1)
-        except RuntimeError as exc:
-            errors.append(exc)
-
     with anyio.fail_after(10):
         async with anyio.create_task_group() as callers:
-            callers.start_soon(one)
             with pytest.raises(BaseException) as info:  # the batcher's task group reports what stopped its runner
                 async with Batcher(run) as batcher:
-                    opened.set()
+                    callers.start_soon(_record_error, batcher, 1, errors)
                     await anyio.sleep_forever()
             assert [type(e) for e in getattr(info.value, "exceptions", ())] == [Abort]
     assert [str(e) for e in errors] == ["run was stopped: Abort('stop')"]
@@ -237,25 +225,18 @@ async def test_a_batch_function_stopped_by_a_base_exception_fails_its_callers_wi
 async def test_callers_outside_a_cancelled_batcher_get_an_error_instead_of_hanging() -> None:
     run = Recorder()
     run.gate = anyio.Event()  # never set: the batch runs until the batcher is cancelled
-    errors: list[str] = []
-
-    async def one(item: int) -> None:
-        try:
-            await batcher(item)
-        except RuntimeError as exc:
-            errors.append(str(exc))
-
+    errors: list[RuntimeError] = []
     with anyio.fail_after(10):
         async with anyio.create_task_group() as callers:
             with anyio.CancelScope() as scope:
                 async with Batcher(run) as batcher:
-                    callers.start_soon(one, 0)
+                    callers.start_soon(_record_error, batcher, 0, errors)
                     await anyio.wait_all_tasks_blocked()  # item 0 runs, held by the gate
-                    callers.start_soon(one, 1)
+                    callers.start_soon(_record_error, batcher, 1, errors)
                     await anyio.wait_all_tasks_blocked()  # item 1 waits for the next batch
                     scope.cancel()
                     await anyio.sleep_forever()
-    assert sorted(errors) == [
+    assert sorted(str(e) for e in errors) == [
         "the batcher was closed before this item ran",
         "the batcher was closed while this item ran",
     ]
