@@ -435,10 +435,11 @@ class ThreadEngine(Engine):
         assert op.cmds is not None
         checked = not op.inputs
         cmds = op.cmds
+        deferred = self._deferred
         for i, cmd in enumerate(cmds):
             try:
                 kind = cmd[0]
-                if self._deferred:  # a kernel, a long copy or a blocking wait may take long
+                if deferred:  # a kernel, a long copy or a blocking wait may take long
                     blocks = kind == WAIT and cmd[1].value < cmd[2]
                     self._flush_if(kind == EXEC or (kind == COPY and cmd[5] > SHORT_COPY) or blocks)
                 if kind < EXEC:
