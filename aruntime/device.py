@@ -18,7 +18,7 @@ from aruntime.allocator import Allocator, BufferSpec
 from aruntime.buffer import Buffer
 from aruntime.compiler import Compiler
 from aruntime.dtype import DType, dtypes
-from aruntime.engine import COPY, EXEC, Command, CommandQueue, CopyFn, Engine, Op, ThreadEngine, first_failure
+from aruntime.engine import COPY, EXEC, Command, CommandQueue, CopyFn, Engine, Op, first_failure, make_engine
 from aruntime.errors import BufferUsageError, DeviceError
 from aruntime.events import DependencyEvent, DeviceEvent, recorder
 from aruntime.helpers import after_all, canonicalize, getenv, pin
@@ -85,7 +85,7 @@ class BaseDevice:
         self.copy: Engine = self._make_engine("copy", timeout)
 
     def _make_engine(self, kind: str, timeout: float) -> Engine:
-        return ThreadEngine(self.name, kind, timeout, chunk=getenv("COPY_CHUNK", 8 << 20))
+        return make_engine(self.name, kind, timeout, chunk=getenv("COPY_CHUNK", 8 << 20))
 
     @property
     def timeout(self) -> float:
@@ -99,7 +99,20 @@ class BaseDevice:
         self.compute.signal.timeout = self.copy.signal.timeout = float(seconds)
 
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.name}>"
+        return f"<{type(self).__name__} {self.name} ({self.engine_kind} engine)>"
+
+    @property
+    def engine_kind(self) -> str:
+        """Which engine runs this device's queues: ``native``, ``python`` or a backend's own (its class name)."""
+        from aruntime.engine.native.engine import NativeEngine
+        from aruntime.engine.thread import ThreadEngine
+
+        kinds = {type(e) for e in (self.compute, self.copy)}
+        if kinds == {NativeEngine}:
+            return "native"
+        if kinds == {ThreadEngine}:
+            return "python"
+        return "/".join(sorted(k.__name__ for k in kinds))
 
     # ---- capabilities -------------------------------------------------------------------------------
 

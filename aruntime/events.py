@@ -99,6 +99,8 @@ class RangeLog:
     def drain(self) -> list[RangeEvent]:
         """Take the ranges recorded so far as events (safe while the engine keeps recording)."""
         n = len(self.ops)  # the column the engine fills last
+        if not n:
+            return []
         names, starts, ends, ops = self.names[:n], self.starts[:n], self.ends[:n], self.ops[:n]
         del self.names[:n], self.starts[:n], self.ends[:n], self.ops[:n]
         device, is_copy = self.device, self.is_copy
@@ -118,9 +120,8 @@ class Recorder:
         self._logs: list[RangeLog] = []
         self._lock = threading.Lock()
 
-    def range_log(self, device: str, is_copy: bool) -> RangeLog:
-        """A new range log for one engine, drained into :attr:`events` when they are read."""
-        log = RangeLog(device, is_copy)
+    def add_log(self, log: RangeLog) -> RangeLog:
+        """Register one engine's range log (returned), drained into :attr:`events` when they are read."""
         with self._lock:
             self._logs.append(log)
         return log
@@ -129,7 +130,7 @@ class Recorder:
     def events(self) -> list[Event]:
         """Every event recorded so far; the engines' ranges join it, in start order, as it is read."""
         with self._lock:
-            drained = [event for log in self._logs if log.ops for event in log.drain()]
+            drained = [event for log in self._logs for event in log.drain()]
             drained.sort(key=lambda event: event.start)
             self._events.extend(drained)
             return self._events

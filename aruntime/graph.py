@@ -19,11 +19,10 @@ from typing import Any
 
 from aruntime.buffer import Buffer
 from aruntime.device import BaseDevice, Program, check_scalar, check_scalars, dispatch_when_ready
-from aruntime.engine import COPY, EXEC, SIGNAL, TIMESTAMP, WAIT, Command, Engine, Op, first_failure
+from aruntime.engine import COPY, EXEC, SIGNAL, TIMESTAMP, WAIT, Command, Engine, Op, TimelineSignal, first_failure
 from aruntime.errors import BufferUsageError, DeviceError
 from aruntime.events import GraphEntry, GraphEvent, recorder
 from aruntime.helpers import after_all, pin
-from aruntime.signal import TimelineSignal
 
 _graph_ids = itertools.count(1)
 

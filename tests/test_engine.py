@@ -26,8 +26,8 @@ from aruntime import (
 from aruntime.device import BaseDevice, Program
 from aruntime.engine import CommandQueue, Op
 from aruntime.events import DependencyEvent, RangeEvent, recorder
-from aruntime.signal import TimelineSignal
-from tests.kernels import ADD_ONE, SCALE, SPINS, Failing, closed_gate
+from aruntime.engine import TimelineSignal
+from tests.kernels import ACCUMULATE, ADD_ONE, SCALE, SPINS, Failing, closed_gate
 
 pytestmark = pytest.mark.anyio
 
@@ -439,15 +439,17 @@ async def test_a_chained_command_queue_runs_as_one_unit_in_order() -> None:
 def test_a_failing_signal_callback_is_logged_and_the_others_still_run(caplog: pytest.LogCaptureFixture) -> None:
     signal = TimelineSignal("test signal", timeout=5)
     called: list[str] = []
+    finished = threading.Event()
 
     def broken() -> None:
         raise RuntimeError("callback bug")
 
     signal.on_reach(1, broken)
     signal.on_reach(1, lambda: called.append("second"))
-    signal.on_reach(2, lambda: called.append("later"))
+    signal.on_reach(2, lambda: (called.append("later"), finished.set()))
     with caplog.at_level(logging.ERROR, logger="aruntime"):
         signal.set(2)
+        assert finished.wait(5)  # callbacks registered outside a loop may run on another thread
     assert called == ["second", "later"] and signal.value == 2
     assert "test signal: a callback for value 2 failed" in caplog.text and "callback bug" in caplog.text
 
@@ -475,7 +477,7 @@ async def test_an_op_held_for_an_engine_closed_meanwhile_fails_instead_of_hangin
 
 async def test_synchronize_raises_the_root_failure_before_its_dependents() -> None:
     dev = Device["CPU:8"]
-    prog = await dev.compile(ADD_ONE, outs=(0,))
+    prog = await dev.compile(ACCUMULATE, outs=(0,))
     out, src = await dev.allocate(8), await dev.allocate(8)
     dev.inline_copy_max = 0  # the copy-in on the copy queue, so its failure is listed after the kernel's
 

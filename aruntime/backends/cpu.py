@@ -1,160 +1,305 @@
 """The CPU device: C kernels built by the system C compiler, run on host memory.
 
-A kernel is a C function; :meth:`BaseDevice.launch` calls it once with each
-buffer as a pointer, then each scalar: Python ints as ``int64_t``, floats as
-``double``. For example ``launch(prog, out, x, vals=(n, 2.0))`` calls
-``void kernel(void *out, void *x, int64_t n, double scale)``.
+A kernel is a C function that returns ``void``, or an ``int`` status where non-zero means it failed (its op
+then fails with :class:`~aruntime.engine.KernelError` carrying the status). Its parameters are pointers,
+integers (``int64_t``, ``int``, ``uint32_t``, ``size_t``, ``char``, ...) and ``float``/``double``. At compile
+time the kernel's definition is read from the source; a name that is not a function defined there is a
+:class:`~aruntime.errors.CompileError`. :meth:`BaseDevice.launch` fills its pointer parameters with the
+buffers, in order, and its other parameters with ``vals``, in order: ``launch(prog, out, x, vals=(n, 2.0))``
+runs ``void kernel(float *out, const float *x, int64_t n, double scale)``. Buffer and scalar counts must match
+the definition; an int given for a floating-point parameter is converted, a float given for an integer one is
+refused, and an integer must fit its parameter's type. What the kernel does with its pointers is not checked.
+
+Kernels are built with ``-O3 -march=native`` (the binary is cached under this machine's processor, so a cache
+shared between machines never loads code the processor cannot run); ``CPUDevice.flags`` (or
+``ARUNTIME_CPU_FLAGS``, split on spaces) sets others.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
+import json
 import os
-import shutil
-import subprocess
-import tempfile
+import re
+import struct
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from aruntime import cc
 from aruntime.allocator import HostAllocator
-from aruntime.compile_cache import cache_get, cache_put
 from aruntime.compiler import Compiler
 from aruntime.device import BaseDevice, Bound, Program
-from aruntime.errors import CompileError
+from aruntime.engine import Entry
+from aruntime.errors import BufferUsageError, CompileError
+from aruntime.helpers import pin
 
-FLAGS = ("-O2", "-fPIC", "-shared")
-_VERSIONS_TABLE = "CPU_compiler_versions"
+FLAGS = ("-O3", "-march=native")
+"""The default optimisation flags of CPU kernels."""
+_BUILD = ("-fPIC", "-shared")
+_ENTRY = "__aruntime_entry_"
+_SIGNATURE = "__aruntime_signature_"
+
+# (signed, bits) of integer parameter types, by their words; LP64
+_INT_TYPES: dict[str, tuple[bool, int]] = {
+    "char": (True, 8),
+    "signed char": (True, 8),
+    "unsigned char": (False, 8),
+    "short": (True, 16),
+    "unsigned short": (False, 16),
+    "int": (True, 32),
+    "signed": (True, 32),
+    "unsigned": (False, 32),
+    "unsigned int": (False, 32),
+    "long": (True, 64),
+    "unsigned long": (False, 64),
+    "long long": (True, 64),
+    "unsigned long long": (False, 64),
+    "_Bool": (False, 1),
+    "bool": (False, 1),
+    "size_t": (False, 64),
+    "ssize_t": (True, 64),
+    "ptrdiff_t": (True, 64),
+    "intptr_t": (True, 64),
+    "uintptr_t": (False, 64),
+    **{f"int{n}_t": (True, n) for n in (8, 16, 32, 64)},
+    **{f"uint{n}_t": (False, n) for n in (8, 16, 32, 64)},
+}
+_QUALIFIERS = {"const", "volatile", "restrict", "__restrict", "__restrict__", "register"}
+_IDENT = re.compile(r"[A-Za-z_]\w*")
 
 
-def _compiler_version(path: str) -> str:
-    """The ``--version`` output of the compiler at ``path``.
+@dataclass(frozen=True)
+class Param:
+    """One kernel parameter: ``kind`` is ``p`` (pointer), ``f`` (floating point), ``i`` or ``u`` (signed or
+    unsigned integer of ``bits``); ``text`` is its declaration as written."""
 
-    Remembered in the compile cache under the compiler file's identity (real
-    path, inode, size and modification time, like ccache's ``mtime`` check), so
-    a warm process runs no compiler at all; reinstalling the compiler changes
-    that identity and runs ``--version`` again.
-    """
-    st = os.stat(path)
-    ident = f"{os.path.realpath(path)}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
-    known = cache_get(_VERSIONS_TABLE, ident)
-    if known is not None:
-        return known.decode()
-    version = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
-    cache_put(_VERSIONS_TABLE, ident, version.encode())
-    return version
+    kind: str
+    bits: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Signature:
+    """A kernel's parameters and whether it returns an ``int`` status."""
+
+    params: tuple[Param, ...]
+    status: bool
+
+    def describe(self, kinds: str) -> str:
+        """The declarations of the parameters whose kind is in ``kinds``."""
+        return ", ".join(p.text for p in self.params if p.kind in kinds) or "none"
+
+
+def _strip(src: str) -> str:
+    """The source without comments, preprocessor lines and string literals (their length kept)."""
+    src = re.sub(r"/\*.*?\*/|//[^\n]*", lambda m: re.sub(r"[^\n]", " ", m.group()), src, flags=re.S)
+    src = re.sub(r'"(?:\\.|[^"\\\n])*"', lambda m: " " * len(m.group()), src)
+    return re.sub(r"(?m)^[ \t]*#.*$", "", src)
+
+
+def _param(text: str, index: int, name: str) -> Param:
+    text = " ".join(text.split())
+    where = f"parameter {index} ({text!r}) of kernel {name!r}"
+    if "(" in text:
+        raise CompileError(f"{where}: function pointer parameters are not supported")
+    if "*" in text or "[" in text:
+        return Param("p", 64, text)
+    words = [w for w in _IDENT.findall(text) if w not in _QUALIFIERS]
+    if len(words) > 1 and words[-1] not in _INT_TYPES and words[-1] not in ("float", "double"):
+        words = words[:-1]  # the parameter's name
+    if "int" in words and any(w in ("short", "long", "unsigned", "signed") for w in words):
+        words = [w for w in words if w != "int"]  # "unsigned int" is "unsigned", "long int" is "long"
+    base = " ".join(words) or "int"
+    if base in ("float", "double"):
+        return Param("f", 64 if base == "double" else 32, text)
+    found = _INT_TYPES.get(base)
+    if found is None:
+        raise CompileError(
+            f"{where}: only pointers, integer types and float/double can be kernel parameters, not {base!r}"
+        )
+    signed, bits = found
+    return Param("i" if signed else "u", bits, text)
+
+
+def parse_signature(src: str, name: str) -> Signature:
+    """The signature of the C function ``name`` defined in ``src``; :class:`CompileError` if there is none."""
+    code = _strip(src)
+    for match in re.finditer(rf"(?<![\w.]){re.escape(name)}\s*\(", code):
+        depth, end = 1, match.end()
+        while end < len(code) and depth:
+            depth += {"(": 1, ")": -1}.get(code[end], 0)
+            end += 1
+        rest = code[end:].lstrip()
+        while rest.startswith("__attribute__"):  # attributes between the parameters and the body
+            rest = rest[rest.index(")") + 2 :].lstrip() if ")" in rest else ""
+        if not rest.startswith("{"):
+            continue  # a declaration or a call: not the definition
+        head = code[: match.start()]
+        cut = max(head.rfind(";"), head.rfind("}"), head.rfind("{"))
+        ret = [w for w in _IDENT.findall(re.sub(r"__attribute__\s*\(\(.*?\)\)", "", head[cut + 1 :])) if w]
+        ret = [w for w in ret if w not in ("static", "inline", "extern", "__inline", "__inline__", *_QUALIFIERS)]
+        returns = " ".join(ret)
+        if "*" in head[cut + 1 :] or not ret:
+            raise CompileError(f"kernel {name!r} must return void or int, not {head[cut + 1 :].strip()!r}")
+        if returns != "void" and _INT_TYPES.get(returns) is None:
+            raise CompileError(f"kernel {name!r} must return void or an integer status, not {returns!r}")
+        inner = code[match.end() : end - 1].strip()
+        if inner in ("", "void"):
+            return Signature((), returns != "void")
+        parts = inner.split(",")
+        if any(p.strip() == "..." for p in parts):
+            raise CompileError(f"kernel {name!r} is variadic; kernels take a fixed list of parameters")
+        return Signature(tuple(_param(p, i, name) for i, p in enumerate(parts)), returns != "void")
+    if re.search(rf"(?<![\w.]){re.escape(name)}\b", code):
+        raise CompileError(f"{name!r} is not a function defined in the source (kernels are C function definitions)")
+    raise CompileError(f"the source defines no function named {name!r}")
+
+
+def _entry_source(name: str, sig: Signature) -> str:
+    """C for the kernel's entry (``int entry(const unsigned long long *args)``) and its signature string."""
+    args = []
+    for i, p in enumerate(sig.params):
+        if p.kind == "p":
+            args.append(f"(void *)(__UINTPTR_TYPE__)a[{i}]")
+        elif p.kind == "f":
+            args.append(f"__aruntime_double(a + {i})")
+        else:
+            args.append(f"a[{i}]")  # the C conversion to the parameter's type (checked to fit before)
+    call = f"{name}({', '.join(args)})"
+    body = f"return (int){call};" if sig.status else f"{call}; return 0;"
+    described = json.dumps({"status": sig.status, "params": [[p.kind, p.bits, p.text] for p in sig.params]})
+    return (
+        "\n#line 1 \"aruntime entry\"\n"
+        "static inline double __aruntime_double(const unsigned long long *p) "
+        "{ double d; __builtin_memcpy(&d, p, 8); return d; }\n"
+        f"int {_ENTRY}{name}(const unsigned long long *a) {{ {body} }}\n"
+        f"const char {_SIGNATURE}{name}[] = {json.dumps(described)};\n"
+    )
 
 
 class CCompiler(Compiler):
     """The system C compiler (``CC`` in the environment, default ``cc``) building a shared library."""
 
-    def __init__(self) -> None:
+    def __init__(self, flags: Sequence[str] = FLAGS) -> None:
         super().__init__(None)
-        self.cc = os.environ.get("CC", "cc")
+        self.flags = (*flags, *_BUILD)
         self._key: str | None = None
         self._key_lock = threading.Lock()
 
     @property
     def cachekey(self) -> str | None:
-        """``CPU_<hash of the compiler's path, its --version output and the flags>``."""
+        """``CPU_<hash of the compiler's path and --version output, the flags and this machine's processor>``."""
         with self._key_lock:
             if self._key is None:
-                path = shutil.which(self.cc)
+                path = cc.compiler_path()
                 if path is None:
                     return None
-                self._key = self.make_cachekey("CPU", path, _compiler_version(path), *FLAGS)
+                self._key = self.make_cachekey("CPU", path, cc.compiler_version(path), cc.host_cpu(), *self.flags)
             return self._key
 
     def compile(self, src: str) -> bytes:
-        with tempfile.TemporaryDirectory(prefix="aruntime-cc-") as tmp:
-            out = os.path.join(tmp, "kernel.so")
-            try:
-                proc = subprocess.run(
-                    [self.cc, *FLAGS, "-x", "c", "-", "-o", out, "-lm"],
-                    input=src.encode(),
-                    capture_output=True,
-                )
-            except FileNotFoundError:
-                raise CompileError(f"C compiler {self.cc!r} not found; set CC to a C compiler") from None
-            if proc.returncode != 0:
-                message = proc.stderr.decode(errors="replace").strip()
-                raise CompileError(f"{self.cc} failed with exit code {proc.returncode}:\n{message}")
-            with open(out, "rb") as f:
-                return f.read()
+        return cc.build(src, self.flags)
 
 
-@functools.cache
-def _load_dir() -> str | None:
-    """Where libraries are written for dlopen: RAM-backed /dev/shm where it allows that, else the temp directory."""
-    try:
-        st = os.statvfs("/dev/shm")
-    except OSError:
-        return None
-    usable = not st.f_flag & (os.ST_NOEXEC | os.ST_RDONLY) and os.access("/dev/shm", os.W_OK | os.X_OK)
-    return "/dev/shm" if usable else None
-
-
-_loaded: dict[bytes, ctypes.CDLL] = {}
-
-
-def _load_library(lib: bytes) -> ctypes.CDLL:
-    """The shared library ``lib``, loaded with dlopen once per process.
-
-    Programs compiled to the same binary share it (static variables included),
-    so compiling a kernel again maps nothing new. dlopen needs a file: the
-    library is written to a private temporary file, loaded and unlinked at once.
-    """
-    loaded = _loaded.get(lib)
-    if loaded is None:
-        fd, path = tempfile.mkstemp(prefix="aruntime-", suffix=".so", dir=_load_dir())
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(lib)
-            loaded = _loaded.setdefault(lib, ctypes.CDLL(path))
-        finally:
-            os.unlink(path)
-    return loaded
+_PACK = {"p": "Q", "f": "d"}
 
 
 class CPUProgram(Program):
-    """A kernel loaded with dlopen from the compiled shared library."""
+    """A kernel loaded with dlopen from the compiled shared library, called through its generated entry."""
 
     def __init__(self, device: BaseDevice, name: str, lib: bytes, outs: Sequence[int] | None = None) -> None:
         super().__init__(device, name, lib, outs)
-        self._lib = _load_library(lib)
         try:
-            self._lib[name]
-        except AttributeError:
-            raise CompileError(f"the compiled library has no function {name!r}") from None
-        self._bound: dict[tuple[Any, ...], Any] = {}  # (buffer count, scalar types) -> the C function typed for them
+            self._lib = cc.load(lib)
+        except OSError as exc:
+            raise CompileError(f"kernel {name!r}: the compiled library does not load: {exc}") from None
+        try:
+            entry = self._lib[_ENTRY + name]
+            described = ctypes.c_char_p.in_dll(self._lib, _SIGNATURE + name)
+        except (AttributeError, ValueError):
+            raise CompileError(f"the compiled library has no kernel {name!r} (compile it with CPUDevice.compile)")
+        info = json.loads(ctypes.string_at(ctypes.addressof(described)).decode())
+        self.signature = Signature(tuple(Param(k, b, t) for k, b, t in info["params"]), info["status"])
+        """The kernel's parameters, read from its definition."""
+        self.entry = Entry(name, ctypes.cast(entry, ctypes.c_void_p).value or 0)
+        params = self.signature.params
+        self._pointers = sum(p.kind == "p" for p in params)
+        self._scalars = [p for p in params if p.kind != "p"]
+        self._format = "=" + "".join(_PACK.get(p.kind, "q" if p.kind == "i" else "Q") for p in params)
+        self._order = [p.kind == "p" for p in params]
 
     def bind(self, addresses: Sequence[int], vals: Sequence[int | float]) -> Bound:
-        """The C function itself, typed for this many pointers and these scalars (``int``: int64, ``float``: double).
-
-        Each distinct signature gets its own typed function object, so the
-        arguments are plain Python numbers, converted by ctypes in the call.
-        """
-        key = (len(addresses), *map(type, vals))
-        fn = self._bound.get(key)
-        if fn is None:
-            fn = self._lib[self.name]
-            fn.restype = None
-            fn.argtypes = [ctypes.c_void_p] * len(addresses) + [
-                ctypes.c_double if isinstance(v, float) else ctypes.c_int64 for v in vals
-            ]
-            self._bound[key] = fn
-        return fn, (*addresses, *vals)
+        """The kernel's entry and its arguments packed in one buffer: each pointer parameter gets the next
+        buffer address, each other parameter the next scalar, converted and checked against its type."""
+        if len(addresses) != self._pointers:
+            raise BufferUsageError(
+                f"launch {self.name}: the kernel takes {self._pointers} buffer(s)"
+                f" ({self.signature.describe('p')}), got {len(addresses)}"
+            )
+        scalars = self._scalars
+        if len(vals) != len(scalars):
+            raise TypeError(
+                f"launch {self.name}: the kernel takes {len(scalars)} scalar(s)"
+                f" ({self.signature.describe('fiu')}), got {len(vals)}"
+            )
+        words: list[Any] = []
+        ai = vi = 0
+        for is_pointer in self._order:
+            if is_pointer:
+                words.append(addresses[ai])
+                ai += 1
+                continue
+            param, val = scalars[vi], vals[vi]
+            if param.kind == "f":
+                words.append(float(val))
+            elif isinstance(val, float):
+                raise TypeError(f"launch {self.name}: scalar {vi} is a float ({val!r}) but {param.text!r} is an integer")
+            else:
+                low, high = (-(1 << (param.bits - 1)), 1 << (param.bits - 1)) if param.kind == "i" else (0, 1 << param.bits)
+                if not low <= val < high:
+                    raise ValueError(f"launch {self.name}: scalar {vi} = {val} does not fit {param.text!r}")
+                words.append(val)
+            vi += 1
+        holder, address, _ = pin(struct.pack(self._format, *words))
+        return self.entry, (holder, address)
 
 
 class CPUDevice(BaseDevice):
-    """Host memory, C kernels, a compute and a copy engine thread."""
+    """Host memory, C kernels, a compute and a copy engine."""
 
     kind = "CPU"
     program_type = CPUProgram
     allocator_type = HostAllocator
     compiler_type = CCompiler
     copy_fn = staticmethod(ctypes.memmove)
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        flags = os.environ.get("ARUNTIME_CPU_FLAGS")
+        if flags is not None:
+            self.flags = tuple(flags.split())
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        """The compiler flags kernels of this device are built with (default :data:`FLAGS`)."""
+        assert isinstance(self.compiler, CCompiler)
+        return self.compiler.flags[: -len(_BUILD)]
+
+    @flags.setter
+    def flags(self, flags: Sequence[str]) -> None:
+        if isinstance(flags, str) or not all(isinstance(f, str) for f in flags):
+            raise TypeError(f"{self.name}: flags must be a sequence of str, got {flags!r}")
+        self.compiler = CCompiler(tuple(flags))
+
+    async def compile(self, src: str, name: str = "kernel", outs: Sequence[int] | None = None) -> Program:
+        """Compile the C function ``name`` of ``src`` (see the module docstring for what a kernel may be)."""
+        if not isinstance(src, str) or not isinstance(name, str):
+            raise TypeError("compile: src and name must be str")
+        if not name.isidentifier():
+            raise CompileError(f"compile: {name!r} is not a C identifier")
+        return await super().compile(src + _entry_source(name, parse_signature(src, name)), name, outs)
 
 
 device_class = CPUDevice

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from aruntime.allocator import BufferSpec, LRUAllocator
 from aruntime.compiler import Compiler
 from aruntime.device import BaseDevice, Bound, Program
+from aruntime.engine.kernel import register_native
 
 
 class NullAllocator(LRUAllocator[int]):
@@ -40,6 +41,9 @@ class NullCompiler(Compiler):
 
 def _nothing(*args: object) -> None:
     pass
+
+
+register_native(_nothing, "nothing")
 
 
 class NullProgram(Program):

@@ -1,4 +1,10 @@
-"""Timeline signals: thread-safe monotonic counters that threads and tasks wait on."""
+"""Timeline signals: thread-safe monotonic counters that threads and tasks wait on.
+
+``TimelineSignal(name, timeout)`` makes the kind the process runs on: a
+:class:`~aruntime.engine.native.signal.NativeSignal` (its value in native memory, set by native engine threads
+without the GIL, awaited through each loop's notifier) where the native core is in use, else a
+:class:`PySignal` (a Python counter whose callbacks run on the thread that sets it).
+"""
 
 from __future__ import annotations
 
@@ -9,8 +15,8 @@ import time
 from collections.abc import Callable
 from functools import partial
 
+from aruntime.engine.wakeup import Waiter, asyncio_waker, trio_waker
 from aruntime.errors import SignalTimeout
-from aruntime.wakeup import Waiter, asyncio_waker, trio_waker
 
 _log = logging.getLogger("aruntime")
 
@@ -20,11 +26,66 @@ class TimelineSignal:
 
     ``name`` says whose signal it is (device and queue), so a timed-out wait can
     name it. The engine that owns the signal advances it with :meth:`set`;
-    callbacks registered with :meth:`on_reach` run on the thread that advances
-    it (or at once, if the value was already reached).
+    callbacks registered with :meth:`on_reach` run once the value is reached
+    (at once, if it already was), on the thread :meth:`here` names.
     """
 
-    __slots__ = ("_blocked", "_callbacks", "_cond", "_lock", "name", "timeout", "value")
+    __slots__ = ("name", "timeout")
+    name: str
+    timeout: float
+
+    def __new__(cls, name: str, timeout: float) -> TimelineSignal:
+        if cls is TimelineSignal:
+            from aruntime.engine import native
+
+            if native.lib() is not None:
+                from aruntime.engine.native.signal import NativeSignal
+
+                cls = NativeSignal
+            else:
+                cls = PySignal
+        return object.__new__(cls)
+
+    @property
+    def value(self) -> int:
+        """The counter's current value."""
+        raise NotImplementedError
+
+    def set(self, value: int) -> None:
+        """Advance the counter to ``value`` and wake everything waiting for it."""
+        raise NotImplementedError
+
+    def here(self) -> object:
+        """Where a callback registered from the calling thread runs; pass it to :meth:`on_reach` to register one
+        later, from elsewhere, that runs there too."""
+        return None
+
+    def on_reach(self, value: int, callback: Callable[[], None], where: object = None) -> None:
+        """Call ``callback`` once the counter reaches ``value`` (now, if it already has), where ``where`` says
+        (from :meth:`here`; None: where :meth:`here` says now)."""
+        raise NotImplementedError
+
+    def wait(self, value: int, timeout: float | None = None) -> None:
+        """Block this thread until ``value`` is reached; raise :class:`SignalTimeout` after ``timeout``."""
+        raise NotImplementedError
+
+    async def wait_async(self, value: int, timeout: float | None = None) -> None:
+        """Suspend the current task (asyncio or trio) until ``value`` is reached, without polling."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<TimelineSignal {self.name} value={self.value}>"
+
+    def _timeout_error(self, value: int, timeout: float) -> SignalTimeout:
+        return SignalTimeout(
+            f"{self.name}: wait for value >= {value} did not pass within {timeout:g} s (signal value is {self.value})"
+        )
+
+
+class PySignal(TimelineSignal):
+    """A signal of the Python engine: a counter under a lock; callbacks run on the thread that advances it."""
+
+    __slots__ = ("_blocked", "_callbacks", "_cond", "_lock", "value")  # type: ignore[assignment]
 
     def __init__(self, name: str, timeout: float) -> None:
         self.name = name
@@ -34,9 +95,6 @@ class TimelineSignal:
         self._cond = threading.Condition(self._lock)
         self._callbacks: dict[int, list[Callable[[], None]]] = {}
         self._blocked = 0
-
-    def __repr__(self) -> str:
-        return f"<TimelineSignal {self.name} value={self.value}>"
 
     def set(self, value: int) -> None:
         """Advance the counter to ``value`` and wake everything waiting for it."""
@@ -58,18 +116,13 @@ class TimelineSignal:
                 except Exception:  # one failing callback must not skip the others or stop the engine that sets
                     _log.exception("%s: a callback for value %d failed", self.name, value)
 
-    def on_reach(self, value: int, callback: Callable[[], None]) -> None:
-        """Call ``callback`` once the counter reaches ``value`` (now, if it already has)."""
+    def on_reach(self, value: int, callback: Callable[[], None], where: object = None) -> None:
+        """Call ``callback`` once the counter reaches ``value``: on the thread that advances it, or now."""
         with self._lock:
             if self.value < value:
                 self._callbacks.setdefault(value, []).append(callback)
                 return
         callback()
-
-    def _timeout_error(self, value: int, timeout: float) -> SignalTimeout:
-        return SignalTimeout(
-            f"{self.name}: wait for value >= {value} did not pass within {timeout:g} s (signal value is {self.value})"
-        )
 
     def wait(self, value: int, timeout: float | None = None) -> None:
         """Block this thread until ``value`` is reached; raise :class:`SignalTimeout` after ``timeout``."""
@@ -101,7 +154,7 @@ async def wait_registered(
     """Suspend the current task until the callback given to ``register`` is called (from any thread).
 
     Raises ``error()`` after ``limit`` seconds. The loop is woken once per batch
-    of such callbacks (see :mod:`aruntime.wakeup`); asyncio and trio alike.
+    of such callbacks (see :mod:`aruntime.engine.wakeup`); asyncio and trio alike.
     """
     loop = asyncio._get_running_loop()
     if loop is None:

@@ -23,31 +23,12 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from aruntime.engine.native.notify import Notified
 
 _log = logging.getLogger("aruntime")
-
-
-class Deferral(threading.local):
-    """Per thread: while ``wakers`` is a list, the loop wake-ups that the thread posts are deferred, each
-    waker collected once in that list, until :func:`flush` wakes their loops. An engine thread sets it around
-    completing an op to wake a loop once for a run of completions rather than once each."""
-
-    wakers: list[Waker] | None = None
-
-
-deferral = Deferral()
-"""The calling thread's :class:`Deferral`."""
-
-
-def flush(wakers: list[Waker]) -> None:
-    """Wake the loops of the ``wakers`` that a :class:`Deferral` collected, and empty the list."""
-    while wakers:
-        waker = wakers.pop()
-        try:
-            waker.schedule()
-        except Exception:  # one waker must not strand the others, nor stop the engine thread that flushes
-            _log.exception("waking an event loop failed")
 
 
 class Waiter:
@@ -67,7 +48,16 @@ class Waiter:
 class Waker:
     """Collects wake-ups from any thread and delivers them on one event loop in batches."""
 
-    __slots__ = ("__weakref__", "_call_soon", "_compact_at", "_deadlines", "_lock", "_pending", "_scheduled")
+    __slots__ = (
+        "__weakref__",
+        "_call_soon",
+        "_compact_at",
+        "_deadlines",
+        "_lock",
+        "_pending",
+        "_scheduled",
+        "notified",
+    )
 
     def __init__(self, call_soon_threadsafe: Callable[[Callable[[], None]], object]) -> None:
         self._call_soon = call_soon_threadsafe
@@ -76,22 +66,29 @@ class Waker:
         self._lock = threading.Lock()
         self._deadlines: list[Waiter] = []
         self._compact_at = 64
+        self.notified: Notified | None = None
+
+    def native(self) -> Notified:
+        """This loop's notifier for native signals (see :mod:`aruntime.engine.native.notify`), made on first use."""
+        notified = self.notified
+        if notified is None or notified.closed:
+            notified = self.notified = self._start_notified()
+        return notified
+
+    def _start_notified(self) -> Notified:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def _resume_waiter(self, waiter: Waiter) -> None:
+        task = waiter.task
+        if task is not None:
+            waiter.task = None
+            self._resume(task, None)
 
     def post(self, waiter: Waiter) -> None:
-        """Queue ``waiter`` to be woken on this waker's loop (thread-safe, never blocks on the loop).
-
-        While the calling thread defers its wake-ups (see :class:`Deferral`), the loop is only woken
-        when that thread flushes them.
-        """
+        """Queue ``waiter`` to be woken on this waker's loop (thread-safe, never blocks on the loop)."""
         self._pending.append(waiter)
-        if self._scheduled:
-            return
-        deferred = deferral.wakers
-        if deferred is not None:
-            if self not in deferred:
-                deferred.append(self)
-            return
-        self.schedule()
+        if not self._scheduled:
+            self.schedule()
 
     def schedule(self) -> None:
         """Make sure a drain of the pending waiters is scheduled on the loop."""
@@ -166,6 +163,23 @@ class AsyncioWaker(Waker):
             raise RuntimeError("the event loop is gone")
         loop.call_soon_threadsafe(fn)
 
+    def _start_notified(self) -> Notified:
+        from aruntime.engine.native.notify import Notified
+
+        loop = self._loop()
+        if loop is None:
+            raise RuntimeError("the event loop is gone")
+        ref = self._loop
+
+        def alive() -> bool:
+            live = ref()
+            return live is not None and not live.is_closed()
+
+        notified = Notified(self._resume_waiter, alive)
+        loop.add_reader(notified.fd, notified.drain)
+        weakref.finalize(loop, notified.close)
+        return notified
+
     def _resume(self, fut: asyncio.Future[None], error: BaseException | None) -> None:
         if fut.done():
             return
@@ -214,6 +228,26 @@ class TrioWaker(Waker):
             trio.lowlevel.spawn_system_task(self._watchdog, name="aruntime wait timeouts")
         elif deadline < self._watch.deadline:
             self._watch.deadline = deadline
+
+    def _start_notified(self) -> Notified:
+        import trio
+
+        from aruntime.engine.native.notify import Notified
+
+        ended = [False]
+        notified = Notified(self._resume_waiter, lambda: not ended[0])
+
+        async def watch() -> None:
+            try:
+                while True:
+                    await trio.lowlevel.wait_readable(notified.fd)
+                    notified.drain()
+            finally:
+                ended[0] = True
+                notified.close()
+
+        trio.lowlevel.spawn_system_task(watch, name="aruntime notifier")
+        return notified
 
     async def _watchdog(self) -> None:
         import trio

@@ -1,28 +1,25 @@
-"""Ops, command queues and the engines that execute them.
+"""Ops, command queues and the engine interface.
 
 An :class:`Engine` owns a :class:`TimelineSignal`. Each submission is one
 :class:`CommandQueue` (a list of wait, signal, timestamp, exec and copy
 commands) plus the :class:`Op` handle that tracks it; the engine runs
 submissions in order and then sets its signal to the op's value, which wakes
-every thread and task waiting on that op. :class:`ThreadEngine` executes the
-commands on a Python worker thread; a backend with hardware queues subclasses
-:class:`Engine` and maps the same commands onto them.
+every thread and task waiting on that op. The native engine
+(:mod:`aruntime.engine.native.engine`) runs the commands in C; the Python
+:class:`~aruntime.engine.thread.ThreadEngine` is its fallback; a backend with
+hardware queues subclasses :class:`Engine` and maps the same commands onto them.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
-from collections import deque
 from collections.abc import Callable, Generator, Sequence
-from time import perf_counter_ns
 from typing import Any
 
+from aruntime.engine.signal import TimelineSignal, wait_registered
 from aruntime.errors import DependencyError, DeviceError, OpError, SignalTimeout
-from aruntime.events import now_us, op_ids, recorder
-from aruntime.signal import TimelineSignal, wait_registered
-from aruntime.wakeup import Waker, deferral, flush
+from aruntime.events import RangeLog, op_ids, recorder
 
 HELD = 1 << 62
 """The ``value`` of an op that is held: bound for an engine, not yet handed to it."""
@@ -110,7 +107,7 @@ class Op:
         self.engine: Engine | None = None
         self.cmds: list[Command] | None = None  # held from submission until the op has run
         self.value = 0
-        self.later: list[tuple[bool, Callable[[], None]]] | None = None  # while held: (on_dispatch, callback)
+        self.later: list[tuple[bool, Callable[[], None], object]] | None = None  # held: (on_dispatch, callback, where)
         self.id = next(op_ids)
 
     def __repr__(self) -> str:
@@ -139,23 +136,25 @@ class Op:
             self.value = 0  # done: every timeline is at 0 or beyond
         engine.held.discard(self)
         engine._note_failure(self)
-        for _, callback in later:
+        for _, callback, _ in later:
             callback()
 
     def _when(self, on_dispatch: bool, callback: Callable[[], None]) -> None:
+        signal = self._submitted().signal
         if self.value == HELD:
             with _later_lock:
                 if self.value == HELD:
                     assert self.later is not None
-                    self.later.append((on_dispatch, callback))
+                    self.later.append((on_dispatch, callback, None if on_dispatch else signal.here()))
                     return
         if on_dispatch:
             callback()
         else:
-            self._submitted().signal.on_reach(self.value, callback)
+            signal.on_reach(self.value, callback)
 
     def when_done(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` (on whichever thread finishes the op) once it is done; now if it is."""
+        """Call ``callback`` once the op is done (now if it is): where its signal's ``on_reach`` runs callbacks
+        registered by the calling thread."""
         self._when(False, callback)
 
     def when_dispatched(self, callback: Callable[[], None]) -> None:
@@ -176,11 +175,18 @@ class Op:
         return SignalTimeout(f"{self.name} on {self._submitted().signal.name}: {state} after {limit:g} s")
 
     def done(self) -> bool:
-        """Whether the engine has finished with this op (successfully or not)."""
+        """Whether the engine has finished with this op (successfully or not); if so, ``error`` is up to date."""
         engine = self.engine
-        return engine is not None and engine.signal.value >= self.value
+        if engine is None or engine.signal.value < self.value:
+            return False
+        if engine.failures[0] != engine.failures_seen:
+            engine.retire()
+        return True
 
     def _outcome(self) -> Any:
+        engine = self.engine
+        if engine is not None and (self.cmds is not None or engine.failures[0] != engine.failures_seen):
+            engine.retire()  # done but not yet retired: its error, timestamps and what it kept are settled now
         if self.error is not None:
             self.observed = True
             raise self.error
@@ -223,19 +229,26 @@ class Engine:
 
     Subclasses implement :meth:`_enqueue` to hand ``(cmds, op)`` to whatever
     executes them; whatever executes them calls :meth:`_complete` afterwards.
+    An engine that learns of failures after its signal has advanced counts them
+    in ``failures[0]`` and sets the ops' errors in :meth:`retire` (which readers
+    call when that count differs from ``failures_seen``).
     """
+
+    failures: Sequence[int] = (0,)
+    failures_seen = 0
 
     def __init__(self, device: str, kind: str, timeout: float) -> None:
         self.device = device
         self.kind = kind
         self.is_copy = kind == "copy"
         self.signal = TimelineSignal(f"{device} {kind} queue", timeout)
-        self.ranges = recorder.range_log(device, self.is_copy)
+        self.ranges = recorder.add_log(self._range_log())
         self.last = 0
         self.held: set[Op] = set()  # ops bound for this engine, not yet handed to it
         self.failed: list[Op] = []
         self.closed = False
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # submissions
+        self._failed_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.signal.name}>"
@@ -256,12 +269,19 @@ class Engine:
             self.held.discard(op)
             with _later_lock:
                 later, op.later = op.later, None
-            for on_dispatch, callback in later:
+            for on_dispatch, callback, where in later:
                 if on_dispatch:
                     callback()
                 else:
-                    self.signal.on_reach(op.value, callback)
+                    self.signal.on_reach(op.value, callback, where)
         return op
+
+    def _range_log(self) -> RangeLog:
+        """The log this engine records its ranges in (see :mod:`aruntime.events`)."""
+        return RangeLog(self.device, self.is_copy)
+
+    def retire(self) -> None:
+        """Bring the errors of finished ops up to date (see the class docstring); nothing to do by default."""
 
     def check_open(self, what: str) -> None:
         """Raise :class:`DeviceError` (naming ``what``) if the engine is closed."""
@@ -289,14 +309,15 @@ class Engine:
         self.signal.set(op.value)
 
     def _note_failure(self, op: Op) -> None:
-        with self._lock:
+        with self._failed_lock:
             self.failed.append(op)
             if len(self.failed) > 256:  # a server that awaits its ops but never synchronizes: keep the unseen
                 self.failed = [f for f in self.failed if not f.observed]
 
     def take_failures(self) -> list[Op]:
         """The failed ops nobody awaited since the last call (and forget them)."""
-        with self._lock:
+        self.retire()
+        with self._failed_lock:
             failed, self.failed = self.failed, []
         return [op for op in failed if not op.observed]
 
@@ -335,151 +356,10 @@ def first_failure(failed: Sequence[Op], others: str) -> BaseException:
     return error
 
 
-SHORT_COPY = 1 << 20
-"""Copies up to this size count as short: an engine may run one before it wakes the loops of tasks
-awaiting ops it completed earlier (see :class:`ThreadEngine`)."""
-DEFER_NS = 200_000
-"""How long an engine may go on with short commands before it wakes the loops it deferred."""
-
-
-class ThreadEngine(Engine):
-    """An engine whose commands run on one Python worker thread.
-
-    ``chunk`` bounds the bytes of one copy call, so a big copy is a series of
-    short calls (each releases the GIL) rather than one long one.
-
-    When the worker completes an op whose awaiting task's loop is asleep, it
-    does not wake that loop at once if more work is queued: it wakes it when it
-    runs out of queued work, before a command that may take long (a kernel, a
-    copy of more than :data:`SHORT_COPY` bytes, a wait that blocks), and before
-    any command once :data:`DEFER_NS` has passed. Waking a sleeping loop is a
-    system call that costs about as much as a 1 MiB copy; a stream of copies
-    awaited in turn would otherwise pay it for each. Only completions are
-    deferred: a loop woken by a command itself (a kernel setting a signal) is
-    woken at once.
-    """
-
-    def __init__(self, device: str, kind: str, timeout: float, chunk: int = 8 << 20) -> None:
-        super().__init__(device, kind, timeout)
-        self.chunk = chunk
-        self._ops: deque[Op | None] = deque()
-        self._idle = False  # the worker is (about to be) asleep on the pipe and must be woken
-        self._deferred: list[Waker] = []  # (worker only) wakers whose loops its completions have not woken yet
-        self._flush_by = 0  # perf_counter_ns() deadline for them, 0 until the worker next checks
-        self._wake_r, self._wake_w = os.pipe()
-        self._thread = threading.Thread(target=self._run, name=self.signal.name, daemon=True)
-        self._thread.start()
-
-    def _enqueue(self, cmds: list[Command], op: Op | None) -> None:
-        self._ops.append(op)
-        if self._idle:
-            self._idle = False
-            os.write(self._wake_w, b"\0")  # the system call runs without the GIL
-
-    def close(self) -> None:
-        """Stop accepting work; wait until what was submitted has run (unless called from this engine's thread)."""
-        super().close()
-        if threading.current_thread() is not self._thread:
-            self._thread.join()
-
-    def _stop(self) -> None:
-        self._enqueue([], None)
-
-    def _next(self) -> Op | None:
-        ops = self._ops
-        if self._deferred:
-            self._flush_if(not ops)
-        while not ops:
-            self._idle = True
-            if ops:  # appended after the check above: no wake-up is coming for it
-                self._idle = False
-                break
-            os.read(self._wake_r, 4096)  # sleeps without the GIL; extra bytes only cost a spare loop turn
-        return ops.popleft()
-
-    def _flush_if(self, long: bool) -> None:
-        """Wake the deferred loops if what comes next may take ``long``, or the deferral's time is up."""
-        if not long:
-            now = perf_counter_ns()
-            if not self._flush_by:
-                self._flush_by = now + DEFER_NS
-            if now <= self._flush_by:
-                return
-        self._flush_by = 0
-        flush(self._deferred)
-
-    def _run(self) -> None:
-        get = self._next
-        execute = self._execute
-        complete = self._complete
-        deferred, local = self._deferred, deferral
-        try:
-            while (op := get()) is not None:
-                try:
-                    execute(op)
-                except BaseException as exc:  # the op's awaiter (or synchronize) receives it
-                    error: BaseException | None = exc
-                else:
-                    error = None
-                local.wakers = deferred
-                try:
-                    complete(op, error)
-                finally:
-                    local.wakers = None
-        finally:
-            self._flush_if(True)
-            os.close(self._wake_r)  # nothing writes after the end: only a sleeping worker is ever woken
-            os.close(self._wake_w)
-
-    def _execute(self, op: Op) -> None:
-        assert op.cmds is not None
-        checked = not op.inputs
-        cmds = op.cmds
-        deferred = self._deferred
-        for i, cmd in enumerate(cmds):
-            try:
-                kind = cmd[0]
-                if deferred:  # a kernel, a long copy or a blocking wait may take long
-                    blocks = kind == WAIT and cmd[1].value < cmd[2]
-                    self._flush_if(kind == EXEC or (kind == COPY and cmd[5] > SHORT_COPY) or blocks)
-                if kind < EXEC:
-                    if kind == WAIT:
-                        cmd[1].wait(cmd[2])
-                        checked = not op.inputs  # a producer on the queue waited for may have failed: check again
-                    elif kind == SIGNAL:
-                        cmd[1].set(cmd[2])
-                    else:
-                        cmd[1].append(now_us())
-                    continue
-                if not checked:
-                    check_deps(op)
-                    checked = True
-                recording = recorder.enabled
-                start = perf_counter_ns() if recording else 0
-                if kind == EXEC:
-                    cmd[2](*cmd[3])
-                else:
-                    self._copy(cmd[2], cmd[3], cmd[4], cmd[5])
-                if recording:  # RangeLog.add, inlined: this runs once per command
-                    ranges = self.ranges
-                    ranges.ends.append(perf_counter_ns())
-                    ranges.starts.append(start)
-                    ranges.names.append(cmd[1])
-                    ranges.ops.append(op.id)
-            except BaseException as exc:
-                # the rest of this queue is skipped, but its signals are still set: engines waiting on them
-                # (e.g. other queues of a graph replay) go on, and their dependency checks, which find this
-                # op's error already in place, fail their ops instead
-                self._fail(op, exc)
-                for rest in cmds[i + 1 :]:
-                    if rest[0] == SIGNAL:
-                        rest[1].set(rest[2])
-                raise
-
-    def _copy(self, fn: CopyFn, dst: int, src: int, nbytes: int) -> None:
-        step = self.chunk
-        if nbytes <= step:
-            fn(dst, src, nbytes)
-        else:
-            for off in range(0, nbytes, step):
-                fn(dst + off, src + off, min(step, nbytes - off))
+def run_copy(fn: CopyFn, dst: int, src: int, nbytes: int, step: int) -> None:
+    """Copy with ``fn(dst, src, n)`` in calls of at most ``step`` bytes (each returns to the caller's thread)."""
+    if nbytes <= step:
+        fn(dst, src, nbytes)
+    else:
+        for off in range(0, nbytes, step):
+            fn(dst + off, src + off, min(step, nbytes - off))

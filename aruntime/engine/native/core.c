@@ -1,0 +1,626 @@
+/* aruntime's native core: timeline signals, loop notifiers and one command processor per queue.
+ *
+ * Nothing here touches Python: Python calls these functions through ctypes (which releases the GIL for
+ * the duration of each call) and reads signal values straight from their memory.
+ *
+ * Signals. A signal is a 64-bit counter that only grows. Threads wait on it with a timeout (a condition
+ * variable); event loops arm it: "write my notifier once the value reaches v". Setting the value wakes the
+ * blocked threads and writes the file descriptor of every notifier whose armed value was reached, at most
+ * once until that notifier acknowledges (so a burst of completions costs a loop one wake-up).
+ *
+ * Engines. An engine owns a worker thread and an unbounded single-producer queue of fixed-size command
+ * records (a linked list of chunks). The worker runs wait / signal / timestamp / copy / exec / check /
+ * python commands in order; the last command of an op carries END and sets the engine's timeline signal to
+ * the op's value. A failing command is logged (op value, command index, kind, code) before that value is
+ * set, and the op's remaining commands are skipped except its signals. "python" commands are handed to a
+ * Python thread of the engine's own (ar_py_next / ar_py_done) while the worker waits: the worker never
+ * runs Python and never needs the GIL.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <stddef.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define AR_VERSION 1
+#define MAXN 64       /* notifiers (event loops waiting at once) */
+#define CHUNK 256     /* command records per queue chunk */
+#define NEVER UINT64_MAX
+
+enum { K_WAIT, K_SIGNAL, K_TIMESTAMP, K_COPY, K_EXEC, K_NOP, K_CHECK, K_PY, K_STOP };
+enum { F_END = 1, F_RECORD = 2 };
+enum { E_KERNEL = 1, E_TIMEOUT = 2, E_PYTHON = 3, E_ORDER = 4 };
+
+static int64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* ---- notifiers ------------------------------------------------------------------------------------ */
+
+typedef struct {
+  int used;
+  int fd;         /* written to wake the loop */
+  int is_eventfd; /* eventfd: 8 bytes; else a pipe: 1 byte */
+  _Atomic int pending;
+} notifier;
+
+static notifier notifiers[MAXN];
+static pthread_mutex_t notifiers_lock = PTHREAD_MUTEX_INITIALIZER;
+
+typedef struct ar_sig ar_sig;
+struct ar_sig {
+  _Atomic uint64_t value; /* first: Python reads it at the signal's address */
+  _Atomic uint64_t armed; /* the least value any notifier waits for (NEVER: none) */
+  _Atomic int blocked;    /* threads in ar_sig_wait */
+  pthread_mutex_t lock;
+  pthread_cond_t cond;
+  uint64_t arm[MAXN];
+  ar_sig *prev, *next; /* every live signal, to disarm a notifier that goes away */
+};
+
+static ar_sig *all_sigs;
+static pthread_mutex_t sigs_lock = PTHREAD_MUTEX_INITIALIZER;
+
+int ar_version(void) { return AR_VERSION; }
+
+/* Write notifier n's descriptor unless a write is already pending. */
+void ar_notify(int n) {
+  if (n < 0 || n >= MAXN) return;
+  notifier *nt = &notifiers[n];
+  if (atomic_exchange(&nt->pending, 1)) return;
+  pthread_mutex_lock(&notifiers_lock); /* against ar_notifier_free: never write a descriptor being closed */
+  if (nt->used) {
+    uint64_t one = 1;
+    ssize_t r = write(nt->fd, &one, nt->is_eventfd ? 8 : 1);
+    (void)r;
+  }
+  pthread_mutex_unlock(&notifiers_lock);
+}
+
+int ar_notifier_new(int fd, int is_eventfd) {
+  pthread_mutex_lock(&notifiers_lock);
+  int found = -1;
+  for (int i = 0; i < MAXN && found < 0; i++)
+    if (!notifiers[i].used) found = i;
+  if (found >= 0) {
+    notifiers[found].is_eventfd = is_eventfd;
+    atomic_store(&notifiers[found].pending, 0);
+    notifiers[found].fd = fd;
+    notifiers[found].used = 1;
+  }
+  pthread_mutex_unlock(&notifiers_lock);
+  return found;
+}
+
+static void recompute_armed(ar_sig *s) {
+  uint64_t least = NEVER;
+  for (int i = 0; i < MAXN; i++)
+    if (s->arm[i] < least) least = s->arm[i];
+  atomic_store(&s->armed, least);
+}
+
+/* Release slot n: no signal writes its descriptor afterwards (the caller closes it). */
+void ar_notifier_free(int n) {
+  if (n < 0 || n >= MAXN) return;
+  pthread_mutex_lock(&sigs_lock);
+  for (ar_sig *s = all_sigs; s; s = s->next) {
+    pthread_mutex_lock(&s->lock);
+    if (s->arm[n] != NEVER) {
+      s->arm[n] = NEVER;
+      recompute_armed(s);
+    }
+    pthread_mutex_unlock(&s->lock);
+  }
+  pthread_mutex_unlock(&sigs_lock);
+  pthread_mutex_lock(&notifiers_lock);
+  notifiers[n].used = 0;
+  pthread_mutex_unlock(&notifiers_lock);
+}
+
+/* The loop read its descriptor: later reached values write it again. A full barrier, so the signal
+ * values the loop reads next are at least as new as this acknowledgement. */
+void ar_notifier_ack(int n) {
+  if (n < 0 || n >= MAXN) return;
+  atomic_exchange(&notifiers[n].pending, 0);
+}
+
+/* ---- signals -------------------------------------------------------------------------------------- */
+
+ar_sig *ar_sig_new(uint64_t value) {
+  ar_sig *s = NULL;
+  if (posix_memalign((void **)&s, 64, sizeof(ar_sig)) != 0) return NULL;
+  memset(s, 0, sizeof(*s));
+  atomic_store(&s->value, value);
+  atomic_store(&s->armed, NEVER);
+  for (int i = 0; i < MAXN; i++) s->arm[i] = NEVER;
+  pthread_mutex_init(&s->lock, NULL);
+  pthread_condattr_t attr;
+  pthread_condattr_init(&attr);
+  pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+  pthread_cond_init(&s->cond, &attr);
+  pthread_condattr_destroy(&attr);
+  pthread_mutex_lock(&sigs_lock);
+  s->next = all_sigs;
+  if (all_sigs) all_sigs->prev = s;
+  all_sigs = s;
+  pthread_mutex_unlock(&sigs_lock);
+  return s;
+}
+
+void ar_sig_free(ar_sig *s) {
+  if (!s) return;
+  pthread_mutex_lock(&sigs_lock);
+  if (s->prev) s->prev->next = s->next;
+  else all_sigs = s->next;
+  if (s->next) s->next->prev = s->prev;
+  pthread_mutex_unlock(&sigs_lock);
+  pthread_mutex_destroy(&s->lock);
+  pthread_cond_destroy(&s->cond);
+  free(s);
+}
+
+/* Advance s to v (> its value): wake blocked threads and the notifiers armed at or below v.
+ * Returns 0, or -1 if v would not advance it. */
+int ar_sig_set(ar_sig *s, uint64_t v) {
+  uint64_t old = atomic_load(&s->value);
+  do {
+    if (v <= old) return -1;
+  } while (!atomic_compare_exchange_weak(&s->value, &old, v));
+  if (atomic_load(&s->blocked)) {
+    pthread_mutex_lock(&s->lock);
+    pthread_cond_broadcast(&s->cond);
+    pthread_mutex_unlock(&s->lock);
+  }
+  if (v >= atomic_load(&s->armed)) {
+    int fire[MAXN], nfire = 0;
+    pthread_mutex_lock(&s->lock);
+    for (int i = 0; i < MAXN; i++) {
+      if (s->arm[i] <= v) {
+        s->arm[i] = NEVER;
+        fire[nfire++] = i;
+      }
+    }
+    recompute_armed(s);
+    pthread_mutex_unlock(&s->lock);
+    for (int i = 0; i < nfire; i++) ar_notify(fire[i]);
+  }
+  return 0;
+}
+
+/* Ask notifier n to be written once s reaches v. Returns 1 if it already has (nothing is armed then). */
+int ar_sig_arm(ar_sig *s, int n, uint64_t v) {
+  if (n < 0 || n >= MAXN) return -1;
+  pthread_mutex_lock(&s->lock);
+  if (v < s->arm[n]) {
+    s->arm[n] = v;
+    if (v < atomic_load(&s->armed)) atomic_store(&s->armed, v);
+  }
+  pthread_mutex_unlock(&s->lock);
+  if (atomic_load(&s->value) >= v) { /* set() may have run before the arm was visible: check again */
+    pthread_mutex_lock(&s->lock);
+    if (s->arm[n] <= atomic_load(&s->value)) {
+      s->arm[n] = NEVER;
+      recompute_armed(s);
+    }
+    pthread_mutex_unlock(&s->lock);
+    return 1;
+  }
+  return 0;
+}
+
+/* Block until s reaches v: 0 once it has, 1 after timeout_ns (< 0: no limit). */
+int ar_sig_wait(ar_sig *s, uint64_t v, int64_t timeout_ns) {
+  if (atomic_load(&s->value) >= v) return 0;
+  struct timespec deadline;
+  clock_gettime(CLOCK_MONOTONIC, &deadline);
+  if (timeout_ns >= 0) {
+    int64_t ns = deadline.tv_nsec + timeout_ns % 1000000000;
+    deadline.tv_sec += timeout_ns / 1000000000 + ns / 1000000000;
+    deadline.tv_nsec = ns % 1000000000;
+  }
+  int result = 0;
+  pthread_mutex_lock(&s->lock);
+  atomic_fetch_add(&s->blocked, 1);
+  while (atomic_load(&s->value) < v) {
+    int rc = timeout_ns >= 0 ? pthread_cond_timedwait(&s->cond, &s->lock, &deadline)
+                             : pthread_cond_wait(&s->cond, &s->lock);
+    if (rc == ETIMEDOUT && atomic_load(&s->value) < v) {
+      result = 1;
+      break;
+    }
+  }
+  atomic_fetch_sub(&s->blocked, 1);
+  pthread_mutex_unlock(&s->lock);
+  return result;
+}
+
+/* ---- engines -------------------------------------------------------------------------------------- */
+
+typedef struct {
+  uint32_t kind, flags;
+  uint64_t a, b, c, d;
+  uint64_t value; /* the op's value on the engine's timeline */
+  uint64_t op;    /* the op's id, for profile ranges */
+  uint32_t name;  /* profile name id */
+  uint32_t index; /* the command's index within its op */
+} ar_cmd;
+
+typedef struct chunk {
+  ar_cmd cmds[CHUNK];
+  struct chunk *_Atomic next;
+} chunk;
+
+typedef struct {
+  uint64_t value;
+  uint32_t index, kind;
+  int64_t code;
+} failure;
+
+typedef struct {
+  int64_t start, end;
+  uint64_t op;
+  uint64_t name;
+} range_rec;
+
+typedef struct ar_engine {
+  ar_sig *timeline;
+  _Atomic uint64_t last_failed; /* the greatest value of an op that failed (0: none) */
+  _Atomic uint64_t fail_count;
+  _Atomic uint64_t range_count;
+  /* producer */
+  chunk *tail;
+  unsigned tail_pos;
+  _Atomic uint64_t published;
+  /* consumer */
+  chunk *head;
+  unsigned head_pos;
+  uint64_t consumed;
+  pthread_mutex_t lock;
+  pthread_cond_t cond;
+  _Atomic int sleeping;
+  int64_t spin_ns;
+  /* failures and ranges, drained by Python */
+  pthread_mutex_t log_lock;
+  failure *fails;
+  size_t nfails, capfails;
+  range_rec *ranges;
+  size_t nranges, capranges;
+  /* python commands */
+  pthread_mutex_t py_lock;
+  pthread_cond_t py_cond;
+  int py_state; /* 0 idle, 1 request posted, 2 taken, 3 answered */
+  uint64_t py_value;
+  uint32_t py_index;
+  int py_rc;
+  int py_stop;
+  pthread_t thread;
+  int started, joined;
+} ar_engine;
+
+static void log_failure(ar_engine *e, const ar_cmd *c, uint32_t kind, int64_t code) {
+  pthread_mutex_lock(&e->log_lock);
+  if (e->nfails == e->capfails) {
+    size_t cap = e->capfails ? e->capfails * 2 : 16;
+    failure *grown = realloc(e->fails, cap * sizeof(failure));
+    if (grown) {
+      e->fails = grown;
+      e->capfails = cap;
+    }
+  }
+  if (e->nfails < e->capfails) {
+    failure *f = &e->fails[e->nfails++];
+    f->value = c->value;
+    f->index = c->index;
+    f->kind = kind;
+    f->code = code;
+  }
+  pthread_mutex_unlock(&e->log_lock);
+  if (atomic_load(&e->last_failed) < c->value) atomic_store(&e->last_failed, c->value);
+  atomic_fetch_add(&e->fail_count, 1);
+}
+
+static void log_range(ar_engine *e, const ar_cmd *c, int64_t start, int64_t end) {
+  pthread_mutex_lock(&e->log_lock);
+  if (e->nranges == e->capranges) {
+    size_t cap = e->capranges ? e->capranges * 2 : 1024;
+    range_rec *grown = realloc(e->ranges, cap * sizeof(range_rec));
+    if (grown) {
+      e->ranges = grown;
+      e->capranges = cap;
+    }
+  }
+  if (e->nranges < e->capranges) {
+    range_rec *r = &e->ranges[e->nranges++];
+    r->start = start;
+    r->end = end;
+    r->op = c->op;
+    r->name = c->name;
+  }
+  pthread_mutex_unlock(&e->log_lock);
+  atomic_fetch_add(&e->range_count, 1);
+}
+
+/* Take up to max failures (4 words each: value, index, kind, code) into out; returns how many. */
+size_t ar_take_failures(ar_engine *e, uint64_t *out, size_t max) {
+  pthread_mutex_lock(&e->log_lock);
+  size_t n = e->nfails < max ? e->nfails : max;
+  for (size_t i = 0; i < n; i++) {
+    out[4 * i] = e->fails[i].value;
+    out[4 * i + 1] = e->fails[i].index;
+    out[4 * i + 2] = e->fails[i].kind;
+    out[4 * i + 3] = (uint64_t)e->fails[i].code;
+  }
+  memmove(e->fails, e->fails + n, (e->nfails - n) * sizeof(failure));
+  e->nfails -= n;
+  pthread_mutex_unlock(&e->log_lock);
+  return n;
+}
+
+/* Take up to max ranges (4 words each: start ns, end ns, op id, name id) into out; returns how many. */
+size_t ar_take_ranges(ar_engine *e, uint64_t *out, size_t max) {
+  pthread_mutex_lock(&e->log_lock);
+  size_t n = e->nranges < max ? e->nranges : max;
+  memcpy(out, e->ranges, n * sizeof(range_rec));
+  memmove(e->ranges, e->ranges + n, (e->nranges - n) * sizeof(range_rec));
+  e->nranges -= n;
+  pthread_mutex_unlock(&e->log_lock);
+  return n;
+}
+
+static ar_cmd *next_cmd(ar_engine *e) {
+  if (atomic_load_explicit(&e->published, memory_order_acquire) == e->consumed) {
+    int64_t until = now_ns() + e->spin_ns;
+    while (atomic_load_explicit(&e->published, memory_order_acquire) == e->consumed) {
+      if (now_ns() < until) continue;
+      pthread_mutex_lock(&e->lock);
+      atomic_store(&e->sleeping, 1);
+      while (atomic_load(&e->published) == e->consumed) pthread_cond_wait(&e->cond, &e->lock);
+      atomic_store(&e->sleeping, 0);
+      pthread_mutex_unlock(&e->lock);
+    }
+  }
+  if (e->head_pos == CHUNK) {
+    chunk *old = e->head;
+    e->head = atomic_load_explicit(&old->next, memory_order_acquire);
+    e->head_pos = 0;
+    free(old);
+  }
+  return &e->head->cmds[e->head_pos];
+}
+
+/* Hand a python command to the engine's Python thread and wait for its answer (0: it ran). */
+static int run_python(ar_engine *e, const ar_cmd *c) {
+  pthread_mutex_lock(&e->py_lock);
+  e->py_value = c->value;
+  e->py_index = c->index;
+  e->py_state = 1;
+  pthread_cond_broadcast(&e->py_cond);
+  while (e->py_state != 3) pthread_cond_wait(&e->py_cond, &e->py_lock);
+  int rc = e->py_rc;
+  e->py_state = 0;
+  pthread_mutex_unlock(&e->py_lock);
+  return rc;
+}
+
+typedef int (*entry_fn)(const uint64_t *args);
+
+static void *worker(void *arg) {
+  ar_engine *e = arg;
+  uint64_t skipping = 0; /* the value of an op whose rest is skipped after a failure */
+  for (;;) {
+    ar_cmd *c = next_cmd(e);
+    ar_cmd cmd = *c; /* the slot may be freed with its chunk once consumed */
+    e->head_pos++;
+    e->consumed++;
+    if (cmd.kind == K_STOP) break;
+    if (skipping == cmd.value) {
+      if (cmd.kind == K_SIGNAL) ar_sig_set((ar_sig *)(uintptr_t)cmd.a, cmd.b);
+    } else {
+      int64_t start = (cmd.flags & F_RECORD) ? now_ns() : 0;
+      int ranged = 0;
+      switch (cmd.kind) {
+        case K_WAIT: {
+          ar_sig *s = (ar_sig *)(uintptr_t)cmd.a;
+          if (atomic_load(&s->value) < cmd.b && ar_sig_wait(s, cmd.b, (int64_t)cmd.c)) {
+            log_failure(e, &cmd, E_TIMEOUT, (int64_t)atomic_load(&s->value));
+            skipping = cmd.value;
+          }
+          break;
+        }
+        case K_SIGNAL:
+          if (ar_sig_set((ar_sig *)(uintptr_t)cmd.a, cmd.b)) {
+            log_failure(e, &cmd, E_ORDER, (int64_t)cmd.b);
+            skipping = cmd.value;
+          }
+          break;
+        case K_TIMESTAMP:
+          *(int64_t *)(uintptr_t)cmd.a = now_ns();
+          break;
+        case K_COPY: {
+          char *dst = (char *)(uintptr_t)cmd.a;
+          const char *src = (const char *)(uintptr_t)cmd.b;
+          uint64_t n = cmd.c, step = cmd.d ? cmd.d : n;
+          for (uint64_t off = 0; off < n; off += step) memmove(dst + off, src + off, n - off < step ? n - off : step);
+          ranged = 1;
+          break;
+        }
+        case K_EXEC: {
+          int rc = ((entry_fn)(uintptr_t)cmd.a)((const uint64_t *)(uintptr_t)cmd.b);
+          ranged = 1;
+          if (rc) {
+            log_failure(e, &cmd, E_KERNEL, rc);
+            skipping = cmd.value;
+          }
+          break;
+        }
+        case K_NOP:
+          ranged = 1;
+          break;
+        case K_CHECK: {
+          /* a = pointer to b pairs (engine, value) of inputs; if any of their engines has a failure at or
+           * after the input's value, Python decides (command index c) */
+          const uint64_t *pairs = (const uint64_t *)(uintptr_t)cmd.a;
+          int ask = 0;
+          for (uint64_t i = 0; i < cmd.b; i++) {
+            ar_engine *other = (ar_engine *)(uintptr_t)pairs[2 * i];
+            if (!other || atomic_load(&other->last_failed) >= pairs[2 * i + 1]) ask = 1;
+          }
+          if (ask && run_python(e, &cmd)) {
+            log_failure(e, &cmd, E_PYTHON, 0);
+            skipping = cmd.value;
+          }
+          break;
+        }
+        case K_PY:
+          ranged = 1;
+          if (run_python(e, &cmd)) {
+            log_failure(e, &cmd, E_PYTHON, 0);
+            skipping = cmd.value;
+          }
+          break;
+      }
+      if (ranged && (cmd.flags & F_RECORD)) log_range(e, &cmd, start, now_ns());
+    }
+    if (cmd.flags & F_END) {
+      if (skipping == cmd.value) skipping = 0;
+      ar_sig_set(e->timeline, cmd.value);
+    }
+  }
+  pthread_mutex_lock(&e->py_lock);
+  e->py_stop = 1;
+  pthread_cond_broadcast(&e->py_cond);
+  pthread_mutex_unlock(&e->py_lock);
+  return NULL;
+}
+
+ar_engine *ar_engine_new(ar_sig *timeline, int64_t spin_ns) {
+  ar_engine *e = NULL;
+  if (posix_memalign((void **)&e, 64, sizeof(ar_engine)) != 0) return NULL;
+  memset(e, 0, sizeof(*e));
+  e->timeline = timeline;
+  e->spin_ns = spin_ns;
+  e->head = e->tail = calloc(1, sizeof(chunk));
+  if (!e->head) {
+    free(e);
+    return NULL;
+  }
+  pthread_mutex_init(&e->lock, NULL);
+  pthread_cond_init(&e->cond, NULL);
+  pthread_mutex_init(&e->log_lock, NULL);
+  pthread_mutex_init(&e->py_lock, NULL);
+  pthread_cond_init(&e->py_cond, NULL);
+  if (pthread_create(&e->thread, NULL, worker, e) != 0) {
+    free(e->head);
+    free(e);
+    return NULL;
+  }
+  e->started = 1;
+  return e;
+}
+
+/* Append one command (the single producer: Python calls this under the engine's lock). Returns 0, or -1
+ * if memory for a new chunk could not be had (nothing was appended). */
+int ar_push(ar_engine *e, uint32_t kind, uint32_t flags, uint64_t a, uint64_t b, uint64_t c, uint64_t d,
+            uint64_t value, uint64_t op, uint32_t name, uint32_t index) {
+  if (e->tail_pos == CHUNK) {
+    chunk *fresh = calloc(1, sizeof(chunk));
+    if (!fresh) return -1;
+    atomic_store_explicit(&e->tail->next, fresh, memory_order_release);
+    e->tail = fresh;
+    e->tail_pos = 0;
+  }
+  ar_cmd *cmd = &e->tail->cmds[e->tail_pos++];
+  cmd->kind = kind;
+  cmd->flags = flags;
+  cmd->a = a;
+  cmd->b = b;
+  cmd->c = c;
+  cmd->d = d;
+  cmd->value = value;
+  cmd->op = op;
+  cmd->name = name;
+  cmd->index = index;
+  atomic_fetch_add(&e->published, 1);
+  if (atomic_load(&e->sleeping)) {
+    pthread_mutex_lock(&e->lock);
+    pthread_cond_signal(&e->cond);
+    pthread_mutex_unlock(&e->lock);
+  }
+  return 0;
+}
+
+/* The engine's Python thread: block until a python command is posted; returns 1 with its op value and
+ * command index, or 0 once the engine has stopped. */
+int ar_py_next(ar_engine *e, uint64_t *value, uint32_t *index) {
+  pthread_mutex_lock(&e->py_lock);
+  while (e->py_state != 1 && !e->py_stop) pthread_cond_wait(&e->py_cond, &e->py_lock);
+  int got = e->py_state == 1;
+  if (got) {
+    *value = e->py_value;
+    *index = e->py_index;
+    e->py_state = 2;
+  }
+  pthread_mutex_unlock(&e->py_lock);
+  return got;
+}
+
+void ar_py_done(ar_engine *e, int rc) {
+  pthread_mutex_lock(&e->py_lock);
+  e->py_rc = rc;
+  e->py_state = 3;
+  pthread_cond_broadcast(&e->py_cond);
+  pthread_mutex_unlock(&e->py_lock);
+}
+
+/* Wake the Python thread with nothing to do (it returns 0 from ar_py_next once stopped). */
+void ar_py_stop(ar_engine *e) {
+  pthread_mutex_lock(&e->py_lock);
+  e->py_stop = 1;
+  pthread_cond_broadcast(&e->py_cond);
+  pthread_mutex_unlock(&e->py_lock);
+}
+
+/* Wait for the worker to end (after a K_STOP was pushed); call once. */
+void ar_engine_join(ar_engine *e) {
+  if (e->started && !e->joined) {
+    pthread_join(e->thread, NULL);
+    e->joined = 1;
+  }
+}
+
+/* Free a joined engine. */
+void ar_engine_free(ar_engine *e) {
+  if (!e || !e->joined) return;
+  for (chunk *c = e->head; c;) {
+    chunk *next = atomic_load(&c->next);
+    free(c);
+    c = next;
+  }
+  free(e->fails);
+  free(e->ranges);
+  pthread_mutex_destroy(&e->lock);
+  pthread_cond_destroy(&e->cond);
+  pthread_mutex_destroy(&e->log_lock);
+  pthread_mutex_destroy(&e->py_lock);
+  pthread_cond_destroy(&e->py_cond);
+  free(e);
+}
+
+int64_t ar_now_ns(void) { return now_ns(); }
+
+/* Offsets Python reads engine fields at (so the layout is not repeated in Python). */
+size_t ar_engine_field(int which) {
+  switch (which) {
+    case 0: return offsetof(ar_engine, last_failed);
+    case 1: return offsetof(ar_engine, fail_count);
+    case 2: return offsetof(ar_engine, range_count);
+  }
+  return 0;
+}

@@ -1,0 +1,305 @@
+"""The native engine: each queue's commands run on a C worker thread that never takes the GIL.
+
+:meth:`NativeEngine._enqueue` turns an op's commands into records of the queue's native ring (one ctypes call
+each; the worker is woken only when it sleeps). Copies run as ``memmove`` in chunks, kernels with a C
+:class:`~aruntime.engine.kernel.Entry` are called directly, waits block in native code, and the op's last
+command sets the queue's timeline signal, which wakes threads and loops through their notifiers. Commands
+that are Python callables (a backend's Python program, a Python copy function) and dependency checks after a
+failure are handed to the engine's Python thread, started on first need; the worker waits for its answer.
+
+Failures are logged natively (op value, command index, kind, status) before the op's value is set; Python
+turns them into the ops' errors in :meth:`NativeEngine.retire`, which also releases what each finished op
+kept alive (its pinned host memory, its commands). ``retire`` runs whenever a finished op is observed: on a
+loop woken for the queue's signal, after a thread's wait, when an op's ``done()`` or result is read, and at
+each submission.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from array import array
+from collections import deque
+from typing import Any
+
+from aruntime.engine import native
+from aruntime.engine.kernel import NATIVE_COPIES, NOTHING, Entry, KernelError
+from aruntime.engine.native.signal import NativeSignal
+from aruntime.engine.ops import COPY, EXEC, SIGNAL, TIMESTAMP, WAIT, Command, Engine, Op, check_deps, run_copy
+from aruntime.errors import OpError, SignalTimeout
+from aruntime.events import RangeEvent, RangeLog, recorder
+
+K_WAIT, K_SIGNAL, K_TIMESTAMP, K_COPY, K_EXEC, K_NOP, K_CHECK, K_PY, K_STOP = range(9)
+F_END, F_RECORD = 1, 2
+E_KERNEL, E_TIMEOUT, E_PYTHON, E_ORDER = 1, 2, 3, 4
+CHECK_BIT = 1 << 31
+SPIN_NS = 20_000
+"""How long a worker that ran out of commands polls for more before it sleeps (a wake-up costs more)."""
+
+_names: dict[str, int] = {}
+_name_list: list[str] = []
+
+
+def _name_id(name: str) -> int:
+    found = _names.get(name)
+    if found is None:
+        found = _names[name] = len(_name_list)
+        _name_list.append(name)
+    return found
+
+
+def _u64(address: int) -> memoryview:
+    return memoryview((ctypes.c_uint64 * 1).from_address(address)).cast("B").cast("Q")
+
+
+class NativeRangeLog(RangeLog):
+    """The ranges one native engine recorded, taken from native memory when drained."""
+
+    __slots__ = ("_count", "_eng", "_lib", "_seen")
+
+    def bind(self, lib: ctypes.CDLL, eng: int) -> None:
+        """Read the ranges of the native engine at ``eng``."""
+        self._lib = lib
+        self._eng = eng
+        self._count = _u64(eng + lib.ar_engine_field(2))
+        self._seen = 0
+
+    def drain(self) -> list[RangeEvent]:
+        """Take the ranges recorded so far as events."""
+        events = super().drain()
+        if self._count[0] == self._seen:
+            return events
+        buf = array("Q", bytes(8 * 4 * 4096))
+        address = buf.buffer_info()[0]
+        while n := self._lib.ar_take_ranges(self._eng, address, 4096):
+            self._seen += n
+            for i in range(n):
+                start, end, op, name = buf[4 * i : 4 * i + 4]
+                events.append(
+                    RangeEvent(self.device, _name_list[name], start / 1000.0, end / 1000.0, self.is_copy, op)
+                )
+        return events
+
+    def detach(self) -> None:
+        """Keep what the engine recorded in Python, and stop reading its memory (it is about to be freed)."""
+        for event in self.drain():
+            self.add(event.name, int(event.start * 1000), int(event.end * 1000), event.op)
+        self._count = memoryview(array("Q", [0]))
+        self._seen = 0
+
+
+class NativeEngine(Engine):
+    """An engine whose commands run on a native worker thread (see the module docstring)."""
+
+    def __init__(self, device: str, kind: str, timeout: float, chunk: int = 8 << 20, spin_ns: int = SPIN_NS) -> None:
+        super().__init__(device, kind, timeout)
+        lib = native.lib()
+        assert lib is not None and isinstance(self.signal, NativeSignal)
+        self._lib = lib
+        self.chunk = chunk
+        eng = lib.ar_engine_new(self.signal.ptr, spin_ns)
+        if not eng:
+            raise MemoryError(f"{self.signal.name}: the native engine could not start")
+        self.address: int = eng
+        """The native engine's address (what other engines' dependency checks name)."""
+        self.failures = _u64(eng + lib.ar_engine_field(1))
+        assert isinstance(self.ranges, NativeRangeLog)
+        self.ranges.bind(lib, eng)
+        self._push = lib.ar_push
+        self._inflight: deque[tuple[Op, list[Any] | None]] = deque()
+        self._failed: dict[int, tuple[int, int, int]] = {}  # op value -> (command index, kind, status)
+        self._python: dict[int, Op] = {}  # op value -> op, for ops with commands the Python thread runs
+        self._py_thread: threading.Thread | None = None
+        self._retire_lock = threading.Lock()
+        self._joined = False
+        self.signal.retire = self.retire
+
+    def __del__(self) -> None:
+        if getattr(self, "_joined", False):
+            self._lib.ar_engine_free(self.address)
+
+    def _range_log(self) -> NativeRangeLog:
+        return NativeRangeLog(self.device, self.is_copy)
+
+    # ---- submission ---------------------------------------------------------------------------------
+
+    def _enqueue(self, cmds: list[Command], op: Op) -> None:
+        inflight = self._inflight
+        if inflight and inflight[0][0].value <= self.signal.value:
+            self.retire()
+        push, eng, value, op_id = self._push, self.address, op.value, op.id
+        record = F_RECORD if recorder.enabled else 0
+        keep: list[Any] | None = None
+        checked = not op.inputs
+        last = len(cmds) - 1
+        if last < 0:
+            push(eng, K_NOP, F_END, 0, 0, 0, 0, value, op_id, 0, 0)
+        for i, cmd in enumerate(cmds):
+            kind = cmd[0]
+            flags = F_END if i == last else 0
+            if kind == WAIT:
+                sig = cmd[1]
+                push(eng, K_WAIT, flags, sig.ptr, cmd[2], int(sig.timeout * 1e9), 0, value, op_id, 0, i)
+                checked = not op.inputs
+                continue
+            if kind == SIGNAL:
+                push(eng, K_SIGNAL, flags, cmd[1].ptr, cmd[2], 0, 0, value, op_id, 0, i)
+                continue
+            if kind == TIMESTAMP:
+                slot = array("q", [0])
+                keep = keep or []
+                keep.append((cmd[1], slot))
+                push(eng, K_TIMESTAMP, flags, slot.buffer_info()[0], 0, 0, 0, value, op_id, 0, i)
+                continue
+            if not checked:
+                checked = True
+                pairs = self._check_pairs(op)
+                if pairs is not None:
+                    keep = keep or []
+                    keep.append(pairs)
+                    self._python_runs(op)
+                    address, count = pairs.buffer_info()
+                    push(eng, K_CHECK, 0, address, count // 2, 0, 0, value, op_id, 0, i | CHECK_BIT)
+            fn = cmd[2]
+            name = _name_id(cmd[1]) if record else 0
+            if kind == EXEC:
+                if type(fn) is Entry:
+                    push(eng, K_EXEC, flags | record, fn.address, cmd[3][1], 0, 0, value, op_id, name, i)
+                elif id(fn) in NOTHING:
+                    push(eng, K_NOP, flags | record, 0, 0, 0, 0, value, op_id, name, i)
+                else:
+                    self._python_runs(op)
+                    push(eng, K_PY, flags | record, 0, 0, 0, 0, value, op_id, name, i)
+            elif kind == COPY:
+                if id(fn) in NATIVE_COPIES:
+                    push(eng, K_COPY, flags | record, cmd[3], cmd[4], cmd[5], self.chunk, value, op_id, name, i)
+                elif id(fn) in NOTHING:
+                    push(eng, K_NOP, flags | record, 0, 0, 0, 0, value, op_id, name, i)
+                else:
+                    self._python_runs(op)
+                    push(eng, K_PY, flags | record, 0, 0, 0, 0, value, op_id, name, i)
+            else:
+                raise ValueError(f"{op.name}: unknown command kind {kind!r}")
+        inflight.append((op, keep))
+
+    def _python_runs(self, op: Op) -> None:
+        """Let the engine's Python thread (started now if need be) find ``op`` (before its command is pushed)."""
+        self._python[op.value] = op
+        if self._py_thread is None:
+            self._py_thread = threading.Thread(target=self._serve_python, name=f"{self.signal.name} python")
+            self._py_thread.daemon = True
+            self._py_thread.start()
+
+    def _check_pairs(self, op: Op) -> array[int] | None:
+        """The (engine address, value) pairs the worker checks before the op's first copy or kernel, or None if
+        none of its inputs can still fail it. A pair (0, 0) makes the worker ask Python."""
+        pairs = array("Q")
+        for dep in op.inputs:
+            if dep.done():
+                if dep.error is not None:
+                    pairs.extend((0, 0))
+                continue
+            engine = dep.engine
+            pairs.extend((engine.address, dep.value) if isinstance(engine, NativeEngine) else (0, 0))
+        return pairs if pairs else None
+
+    def _stop(self) -> None:
+        self._push(self.address, K_STOP, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+
+    def close(self) -> None:
+        """Stop accepting work; wait until what was submitted has run (unless called from this engine's thread)."""
+        super().close()
+        if threading.current_thread() is self._py_thread:
+            return
+        self._lib.ar_engine_join(self.address)
+        assert isinstance(self.ranges, NativeRangeLog)
+        self.ranges.detach()
+        self._joined = True
+        if self._py_thread is not None:
+            self._py_thread.join()
+        self.retire()
+
+    # ---- the Python thread --------------------------------------------------------------------------
+
+    def _serve_python(self) -> None:
+        lib, eng = self._lib, self.address
+        value, index = ctypes.c_uint64(), ctypes.c_uint32()
+        while lib.ar_py_next(eng, ctypes.byref(value), ctypes.byref(index)):
+            i = index.value
+            op = self._python[value.value]
+            try:
+                if i & CHECK_BIT:
+                    check_deps(op)  # each input's done() brings its error up to date first
+                else:
+                    assert op.cmds is not None
+                    cmd = op.cmds[i]
+                    if cmd[0] == EXEC:
+                        cmd[2](*cmd[3])
+                    else:
+                        run_copy(cmd[2], cmd[3], cmd[4], cmd[5], self.chunk)
+            except BaseException as exc:
+                self._fail(op, exc)
+                lib.ar_py_done(eng, 1)
+            else:
+                lib.ar_py_done(eng, 0)
+
+    # ---- completion ---------------------------------------------------------------------------------
+
+    def retire(self) -> None:
+        """Set the errors of finished ops from the native failure log, release what they kept alive and fill in
+        their timestamps (on any thread)."""
+        failed: list[Op] = []
+        with self._retire_lock:
+            reached = self.signal.value
+            if self.failures[0] != self.failures_seen:
+                self._take_failures()
+            inflight = self._inflight
+            while inflight and inflight[0][0].value <= reached:
+                op, keep = inflight.popleft()
+                value = op.value
+                failure = self._failed.pop(value, None) if self._failed else None
+                if failure is not None:
+                    self._set_error(op, *failure)
+                    failed.append(op)
+                if keep is not None:
+                    for item in keep:
+                        if type(item) is tuple:
+                            item[0].append(item[1][0] / 1000.0)
+                if self._python:
+                    self._python.pop(value, None)
+                op.keep = op.cmds = None
+                op.deps = op.inputs = ()
+        for op in failed:
+            self._note_failure(op)
+
+    def _take_failures(self) -> None:
+        buf = array("Q", bytes(8 * 4 * 256))
+        address = buf.buffer_info()[0]
+        while n := self._lib.ar_take_failures(self.address, address, 256):
+            self.failures_seen += n
+            for i in range(n):
+                value, index, kind, status = buf[4 * i : 4 * i + 4]
+                self._failed[value] = (index, kind, status)
+
+    def _set_error(self, op: Op, index: int, kind: int, status: int) -> None:
+        if kind == E_PYTHON and op.error is not None:
+            return
+        cmd = op.cmds[index & ~CHECK_BIT] if op.cmds is not None else None
+        error: BaseException
+        if kind == E_KERNEL:
+            status -= 1 << 64 if status >= 1 << 63 else 0
+            error = KernelError(f"{op.name} failed on {self.signal.name}: the kernel returned status {status}", status)
+        elif kind == E_TIMEOUT and cmd is not None:
+            sig = cmd[1]
+            error = SignalTimeout(
+                f"{sig.name}: wait for value >= {cmd[2]} did not pass within {sig.timeout:g} s"
+                f" (signal value is {status})"
+            )
+        elif kind == E_ORDER and cmd is not None:
+            error = ValueError(f"{cmd[1].name}: timeline must increase (asked to set {cmd[2]})")
+        else:
+            error = OpError(f"{op.name} failed on {self.signal.name}")
+        self._fail(op, error)
+
+
+__all__ = ["NativeEngine"]

@@ -1,0 +1,196 @@
+"""Notifiers: how native signals wake event loops and run callbacks, without any Python on engine threads.
+
+Each event loop that waits on native signals owns one :class:`Notified`: a file descriptor (an eventfd, or a
+pipe where there is none) registered in the native core. Waiting for ``signal >= v`` puts the waiter in the
+notified's heap for that signal and *arms* the signal for the least value waited for (one native call, only
+when that least value goes down). Native code writes the descriptor when an armed value is reached, at most
+once until the loop acknowledges; the loop, woken by the descriptor (``add_reader`` on asyncio and uvloop,
+``wait_readable`` in a trio system task), reads the signals and resumes every waiter whose value was reached.
+
+Callbacks (:meth:`NativeSignal.on_reach`) go the same way: they run on the loop that registered them, or on
+the process's callback thread (a Python thread blocked reading its own notifier) when registered outside any
+loop. A loop that ends hands its pending callbacks to the callback thread, so none is lost.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from aruntime.engine import native
+from aruntime.errors import DeviceError
+
+if TYPE_CHECKING:
+    from aruntime.engine.native.signal import NativeSignal
+
+_log = logging.getLogger("aruntime")
+_seq = itertools.count()
+_live: weakref.WeakSet[Notified] = weakref.WeakSet()
+Item = Any  # a Waiter (resumed by the owner) or a callable
+
+
+class Notified:
+    """The waits and callbacks of one consumer (an event loop or the callback thread) on native signals.
+
+    ``resume(waiter)`` resumes a task on the consumer's loop; ``alive()`` says whether the consumer can still
+    run anything. :meth:`add` may be called from any thread; :meth:`drain` only on the consumer's own.
+    """
+
+    def __init__(self, resume: Callable[[Any], None] | None, alive: Callable[[], bool]) -> None:
+        lib = native.lib()
+        assert lib is not None
+        _reclaim()  # loops that closed since the last one was made give their descriptors back now
+        self._lib = lib
+        self._resume = resume
+        self.alive = alive
+        if hasattr(os, "eventfd"):
+            self.fd = self._wfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            is_eventfd = 1
+        else:  # pragma: no cover - platforms without eventfd
+            self.fd, self._wfd = os.pipe()
+            os.set_blocking(self.fd, False)
+            is_eventfd = 0
+        slot = lib.ar_notifier_new(self._wfd, is_eventfd)
+        if slot < 0:
+            self._close_fds()
+            raise DeviceError("too many event loops are waiting on aruntime signals at once (64 at most)")
+        self.slot = slot
+        self._lock = threading.Lock()
+        self._waits: dict[NativeSignal, list[tuple[int, int, Item]]] = {}
+        self._armed: dict[NativeSignal, int] = {}
+        self.closed = False
+        _live.add(self)
+
+    def add(self, sig: NativeSignal, value: int, item: Item) -> None:
+        """Run ``item`` (resume it, or call it) on this consumer once ``sig`` reaches ``value``."""
+        with self._lock:
+            if self.closed:
+                moved = True
+            else:
+                moved = False
+                heap = self._waits.get(sig)
+                if heap is None:
+                    heap = self._waits[sig] = []
+                heapq.heappush(heap, (value, next(_seq), item))
+                armed = self._armed.get(sig)
+                if armed is None or value < armed:
+                    self._armed[sig] = value
+                    if self._lib.ar_sig_arm(sig.ptr, self.slot, value):
+                        self._lib.ar_notify(self.slot)  # reached meanwhile: the consumer finds it when it drains
+        if moved:
+            if callable(item):
+                callback_thread().add(sig, value, item)
+
+    def drain(self) -> None:
+        """Resume or call whatever was reached (on the consumer's thread, when its descriptor is readable)."""
+        try:
+            os.read(self.fd, 8)
+        except (BlockingIOError, InterruptedError):
+            pass
+        self._lib.ar_notifier_ack(self.slot)
+        while True:
+            ready: list[Item] = []
+            again = False
+            with self._lock:
+                for sig, heap in list(self._waits.items()):
+                    reached = sig.value
+                    if heap[0][0] > reached:
+                        continue
+                    if self._armed.get(sig, reached + 1) <= reached:
+                        del self._armed[sig]  # fired (or about to be): native code disarmed it
+                    while heap and heap[0][0] <= reached:
+                        ready.append((sig, heapq.heappop(heap)[2]))
+                    if not heap:
+                        del self._waits[sig]
+                        self._armed.pop(sig, None)
+                    elif sig not in self._armed:
+                        self._armed[sig] = heap[0][0]
+                        if self._lib.ar_sig_arm(sig.ptr, self.slot, heap[0][0]):
+                            again = True
+            retired: set[int] = set()
+            for sig, item in ready:
+                retire = sig.retire
+                if retire is not None and id(sig) not in retired:
+                    retired.add(id(sig))
+                    retire()
+                self._run(sig, item)
+            if not again:
+                return
+            self._lib.ar_notifier_ack(self.slot)
+
+    def _run(self, sig: NativeSignal, item: Item) -> None:
+        if callable(item):
+            try:
+                item()
+            except Exception:  # one failing callback must not skip the others
+                _log.exception("%s: a callback for value %d failed", sig.name, sig.value)
+        elif self._resume is not None:
+            self._resume(item)
+
+    def close(self) -> None:
+        """Stop being notified; pending callbacks move to the callback thread, pending waiters are dropped."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            waits, self._waits = self._waits, {}
+            self._armed = {}
+        self._lib.ar_notifier_free(self.slot)
+        self._close_fds()
+        for sig, heap in waits.items():
+            for value, _, item in heap:
+                if callable(item):
+                    callback_thread().add(sig, value, item)
+
+    def _close_fds(self) -> None:
+        os.close(self.fd)
+        if self._wfd != self.fd:
+            os.close(self._wfd)
+
+    def __del__(self) -> None:
+        if not getattr(self, "closed", True):
+            self.close()
+
+
+def _reclaim() -> None:
+    """Close the notifieds of consumers that are gone (an asyncio loop that was closed)."""
+    for notified in list(_live):
+        if not notified.alive():
+            notified.close()
+
+
+class _CallbackThread:
+    """Runs callbacks registered outside any event loop: a Python thread that sleeps reading its notifier."""
+
+    def __init__(self) -> None:
+        self.notified = Notified(None, lambda: True)
+        self._thread = threading.Thread(target=self._run, name="aruntime callbacks", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import select
+
+        notified = self.notified
+        while True:
+            select.select([notified.fd], [], [])  # sleeps without the GIL
+            notified.drain()
+
+
+_callbacks: _CallbackThread | None = None
+_callbacks_lock = threading.Lock()
+
+
+def callback_thread() -> Notified:
+    """The notified of the callback thread (started on first use)."""
+    global _callbacks
+    if _callbacks is None:
+        with _callbacks_lock:
+            if _callbacks is None:
+                _callbacks = _CallbackThread()
+    return _callbacks.notified

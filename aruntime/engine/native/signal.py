@@ -1,0 +1,126 @@
+"""Timeline signals in native memory: set by native engine threads, read by Python without a lock."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import sys
+from collections.abc import Callable
+
+from aruntime.engine import native
+from aruntime.engine.native.notify import Notified, callback_thread
+from aruntime.engine.signal import TimelineSignal
+from aruntime.engine.wakeup import Waiter, asyncio_waker, trio_waker
+
+
+def current_notified() -> Notified:
+    """The notified of the running event loop (asyncio or trio), else the callback thread's."""
+    loop = asyncio._get_running_loop()
+    if loop is not None:
+        return asyncio_waker(loop).native()
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            trio.lowlevel.current_trio_token()
+        except RuntimeError:
+            pass
+        else:
+            return trio_waker().native()
+    return callback_thread()
+
+
+class NativeSignal(TimelineSignal):
+    """A signal whose 64-bit value lives in native memory (``ptr``); see :mod:`aruntime.engine.native.notify`.
+
+    ``retire``, when set (by the engine that owns the signal), runs on a consumer's thread before it resumes
+    waiters or runs callbacks of this signal, so that what they observe (an op's error, its timestamps) is
+    up to date.
+    """
+
+    __slots__ = ("__weakref__", "_lib", "_v", "ptr", "retire")
+
+    def __init__(self, name: str, timeout: float) -> None:
+        lib = native.lib()
+        assert lib is not None
+        self._lib = lib
+        self.name = name
+        self.timeout = timeout
+        ptr = lib.ar_sig_new(0)
+        if not ptr:
+            raise MemoryError(f"{name}: no memory for a signal")
+        self.ptr: int = ptr
+        self._v = memoryview((ctypes.c_uint64 * 1).from_address(ptr)).cast("B").cast("Q")
+        self.retire: Callable[[], None] | None = None
+
+    def __del__(self) -> None:
+        ptr = getattr(self, "ptr", 0)
+        if ptr:
+            self.ptr = 0
+            self._v.release()
+            self._lib.ar_sig_free(ptr)
+
+    @property
+    def value(self) -> int:
+        """The counter's current value (read from native memory)."""
+        return self._v[0]
+
+    def set(self, value: int) -> None:
+        """Advance the counter to ``value``: wakes blocked threads and the loops armed for it."""
+        if not isinstance(value, int) or not 0 <= value < 1 << 64:
+            raise ValueError(f"{self.name}: a signal value is a non-negative 64-bit int, got {value!r}")
+        if self._lib.ar_sig_set(self.ptr, value):
+            raise ValueError(f"{self.name}: timeline must increase (at {self.value}, asked to set {value})")
+
+    def here(self) -> Notified:
+        """The notified a callback registered from the calling thread runs on."""
+        return current_notified()
+
+    def on_reach(self, value: int, callback: Callable[[], None], where: object = None) -> None:
+        """Call ``callback`` once the value reaches ``value``: on ``where`` (a notified from :meth:`here`), else on
+        the calling thread's loop, or the callback thread outside any loop; now if it already has."""
+        if self._v[0] >= value:
+            callback()
+            return
+        target = where if isinstance(where, Notified) else current_notified()
+        target.add(self, value, callback)
+
+    def wait(self, value: int, timeout: float | None = None) -> None:
+        """Block this thread (the GIL released) until ``value`` is reached; raise :class:`SignalTimeout`."""
+        if self._v[0] >= value:
+            return
+        limit = self.timeout if timeout is None else timeout
+        if self._lib.ar_sig_wait(self.ptr, value, int(limit * 1e9)):
+            raise self._timeout_error(value, limit)
+        retire = self.retire
+        if retire is not None:
+            retire()
+
+    async def wait_async(self, value: int, timeout: float | None = None) -> None:
+        """Suspend the current task until ``value`` is reached: woken through the loop's notifier."""
+        if self._v[0] >= value:
+            return
+        limit = self.timeout if timeout is None else timeout
+        loop = asyncio._get_running_loop()
+        if loop is not None:
+            fut: asyncio.Future[None] = loop.create_future()
+            waker = asyncio_waker(loop)
+            waiter = Waiter(fut, loop.time() + limit, lambda: self._timeout_error(value, limit))
+            waker.native().add(self, value, waiter)
+            waker.track(waiter)
+            try:
+                await fut
+            finally:
+                waiter.task = None
+            return
+        import trio
+
+        twaker = trio_waker()
+        waiter = Waiter(trio.lowlevel.current_task(), trio.current_time() + limit, lambda: self._timeout_error(value, limit))
+        twaker.native().add(self, value, waiter)
+        twaker.track(waiter)
+
+        def abort(_: object) -> trio.lowlevel.Abort:
+            waiter.task = None
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)

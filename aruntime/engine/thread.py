@@ -1,0 +1,113 @@
+"""The Python engine: commands run on one Python worker thread (the fallback where the native core is unavailable)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from time import perf_counter_ns
+
+from aruntime.engine.ops import EXEC, SIGNAL, WAIT, Command, Engine, Op, check_deps, run_copy
+from aruntime.events import now_us, recorder
+
+
+class ThreadEngine(Engine):
+    """An engine whose commands run on one Python worker thread.
+
+    ``chunk`` bounds the bytes of one copy call, so a big copy is a series of
+    short calls (each releases the GIL) rather than one long one. The worker
+    sleeps on a pipe when it has nothing to do; a submission writes the pipe
+    only then.
+    """
+
+    def __init__(self, device: str, kind: str, timeout: float, chunk: int = 8 << 20) -> None:
+        super().__init__(device, kind, timeout)
+        self.chunk = chunk
+        self._ops: deque[Op | None] = deque()
+        self._idle = False  # the worker is (about to be) asleep on the pipe and must be woken
+        self._wake_r, self._wake_w = os.pipe()
+        self._thread = threading.Thread(target=self._run, name=self.signal.name, daemon=True)
+        self._thread.start()
+
+    def _enqueue(self, cmds: list[Command], op: Op | None) -> None:
+        self._ops.append(op)
+        if self._idle:
+            self._idle = False
+            os.write(self._wake_w, b"\0")  # the system call runs without the GIL
+
+    def close(self) -> None:
+        """Stop accepting work; wait until what was submitted has run (unless called from this engine's thread)."""
+        super().close()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _stop(self) -> None:
+        self._enqueue([], None)
+
+    def _next(self) -> Op | None:
+        ops = self._ops
+        while not ops:
+            self._idle = True
+            if ops:  # appended after the check above: no wake-up is coming for it
+                self._idle = False
+                break
+            os.read(self._wake_r, 4096)  # sleeps without the GIL; extra bytes only cost a spare loop turn
+        return ops.popleft()
+
+    def _run(self) -> None:
+        get = self._next
+        execute = self._execute
+        complete = self._complete
+        try:
+            while (op := get()) is not None:
+                try:
+                    execute(op)
+                except BaseException as exc:  # the op's awaiter (or synchronize) receives it
+                    error: BaseException | None = exc
+                else:
+                    error = None
+                complete(op, error)
+        finally:
+            os.close(self._wake_r)  # nothing writes after the end: only a sleeping worker is ever woken
+            os.close(self._wake_w)
+
+    def _execute(self, op: Op) -> None:
+        assert op.cmds is not None
+        checked = not op.inputs
+        cmds = op.cmds
+        for i, cmd in enumerate(cmds):
+            try:
+                kind = cmd[0]
+                if kind < EXEC:
+                    if kind == WAIT:
+                        cmd[1].wait(cmd[2])
+                        checked = not op.inputs  # a producer on the queue waited for may have failed: check again
+                    elif kind == SIGNAL:
+                        cmd[1].set(cmd[2])
+                    else:
+                        cmd[1].append(now_us())
+                    continue
+                if not checked:
+                    check_deps(op)
+                    checked = True
+                recording = recorder.enabled
+                start = perf_counter_ns() if recording else 0
+                if kind == EXEC:
+                    cmd[2](*cmd[3])
+                else:
+                    run_copy(cmd[2], cmd[3], cmd[4], cmd[5], self.chunk)
+                if recording:  # RangeLog.add, inlined: this runs once per command
+                    ranges = self.ranges
+                    ranges.ends.append(perf_counter_ns())
+                    ranges.starts.append(start)
+                    ranges.names.append(cmd[1])
+                    ranges.ops.append(op.id)
+            except BaseException as exc:
+                # the rest of this queue is skipped, but its signals are still set: engines waiting on them
+                # (e.g. other queues of a graph replay) go on, and their dependency checks, which find this
+                # op's error already in place, fail their ops instead
+                self._fail(op, exc)
+                for rest in cmds[i + 1 :]:
+                    if rest[0] == SIGNAL:
+                        rest[1].set(rest[2])
+                raise

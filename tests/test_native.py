@@ -1,0 +1,230 @@
+"""The native engine: loops woken through their notifier, no Python on engine threads, kernel signatures."""
+
+from __future__ import annotations
+
+import array
+import os
+import random
+import subprocess
+import sys
+import threading
+
+import anyio
+import pytest
+
+from aruntime import CompileError, Device, dtypes
+from aruntime.engine import KernelError, engine_name
+from tests.kernels import SCALE
+
+pytestmark = pytest.mark.skipif(engine_name() != "native", reason="the native engine is not in use in this run")
+
+SPIN = r"""
+#include <stdint.h>
+#include <time.h>
+void kernel(uint8_t *out, int64_t ms) {
+  struct timespec t0, t;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  do clock_gettime(CLOCK_MONOTONIC, &t); while ((t.tv_sec - t0.tv_sec) * 1000 + (t.tv_nsec - t0.tv_nsec) / 1000000 < ms);
+  out[0] = 1;
+}
+"""
+
+
+def _python_threads() -> set[str]:
+    return {t.name for t in threading.enumerate()}
+
+
+@pytest.mark.anyio
+async def test_ops_complete_without_any_python_thread() -> None:
+    dev = Device["CPU"]
+    prog = await dev.compile(SCALE, outs=(0,))
+    x = await dev.allocate(1024, dtypes.float32)
+    y = await dev.allocate(1024, dtypes.float32)
+    before = _python_threads()
+    for _ in range(50):
+        await dev.copyin(x, array.array("f", range(1024)))
+        await dev.launch(prog, y, x, vals=(1024, 2.0))
+        out = array.array("f", bytes(await dev.copyout(y)))
+        assert out[10] == 20.0
+    started = _python_threads() - before
+    assert not started, f"Python threads took part in completing native ops: {started}"
+
+
+@pytest.mark.anyio
+async def test_a_long_kernel_leaves_the_loop_free() -> None:
+    dev = Device["CPU"]
+    prog = await dev.compile(SPIN, outs=(0,))
+    out = await dev.allocate(1)
+    ticks = 0
+    done = False
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not done:
+            ticks += 1
+            await anyio.sleep(0)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        await dev.launch(prog, out, vals=(200,))
+        done = True
+    assert ticks > 1000, f"the loop ran only {ticks} times during a 200 ms kernel"
+
+
+@pytest.mark.anyio
+async def test_a_flood_of_awaited_ops_loses_none_and_leaves_no_waiter() -> None:
+    dev = Device["NULL"]
+    buf = await dev.allocate(64)
+    results: list[int] = []
+
+    async def one(i: int) -> None:
+        await dev.copyin(buf.view(1, dtypes.uint8, i % 64), b"x")
+        results.append(i)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(5000):
+            tg.start_soon(one, i)
+    assert sorted(results) == list(range(5000))
+    await dev.synchronize()
+    notified = dev.copy.signal.here()
+    assert not notified._waits, "waiters were left registered after every op completed"
+
+
+@pytest.mark.anyio
+async def test_random_cancellations_leave_no_bytes_in_use() -> None:
+    dev = Device["CPU:3"]
+    baseline = dev.allocator.in_use
+    rng = random.Random(7)
+    prog = await dev.compile(SPIN, outs=(0,))
+
+    async def one() -> None:
+        buf = await dev.allocate(4096)
+        try:
+            await dev.copyin(buf, bytes(4096))
+            if rng.random() < 0.05:
+                await dev.launch(prog, buf, vals=(1,))
+            await dev.copyout(buf)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await dev.free(buf)
+
+    for _ in range(20):
+        async with anyio.create_task_group() as tg:
+            for _ in range(500):
+                tg.start_soon(one)
+            await anyio.sleep(rng.random() * 0.01)
+            tg.cancel_scope.cancel()
+    await dev.synchronize()
+    assert dev.allocator.in_use == baseline
+
+
+def test_no_descriptor_leaks_across_many_event_loops() -> None:
+    dev = Device["NULL"]
+
+    async def main() -> None:
+        await dev.copyin(await dev.allocate(8), bytes(8))
+        await dev.launch(await dev.compile(""), await dev.allocate(8))
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    for backend in ("asyncio", "trio"):
+        anyio.run(main, backend=backend)
+    before = fds()
+    for i in range(1000):
+        anyio.run(main, backend=("asyncio", "trio")[i % 2])
+    assert fds() <= before + 2, f"{fds() - before} descriptors leaked over 1000 loops"
+
+
+@pytest.mark.anyio
+async def test_a_loop_in_another_thread_awaits_the_same_ops() -> None:
+    dev = Device["CPU"]
+    prog = await dev.compile(SPIN, outs=(0,))
+    out = await dev.allocate(1)
+    op = dev.launch(prog, out, vals=(50,))
+    seen: list[object] = []
+
+    def other_loop() -> None:
+        async def wait() -> None:
+            seen.append(await op)
+
+        anyio.run(wait, backend="trio")
+
+    thread = threading.Thread(target=other_loop)
+    thread.start()
+    await op
+    await anyio.to_thread.run_sync(thread.join)
+    assert seen == [None]
+
+
+# ---- kernel signatures ---------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_an_int_for_a_double_parameter_is_converted() -> None:
+    dev = Device["CPU"]
+    prog = await dev.compile(SCALE, outs=(0,))
+    x = await dev.allocate(2, dtypes.float32)
+    y = await dev.allocate(2, dtypes.float32)
+    await dev.copyin(x, array.array("f", [1.5, 2.0]))
+    await dev.launch(prog, y, x, vals=(2, 4))  # 4 -> 4.0 for `double s`
+    assert list(array.array("f", bytes(await dev.copyout(y)))) == [6.0, 8.0]
+
+
+@pytest.mark.anyio
+async def test_launch_arguments_are_checked_against_the_definition() -> None:
+    dev = Device["CPU"]
+    prog = await dev.compile(SCALE, outs=(0,))
+    x = await dev.allocate(2, dtypes.float32)
+    with pytest.raises(TypeError, match=r"scalar 0 is a float .* 'int64_t n' is an integer"):
+        dev.launch(prog, x, x, vals=(2.5, 1.0))
+    with pytest.raises(ValueError, match=r"takes 2 buffer\(s\) \(float \*out, const float \*x\), got 1"):
+        dev.launch(prog, x, vals=(2, 1.0))
+    with pytest.raises(TypeError, match=r"takes 2 scalar\(s\) \(int64_t n, double s\), got 1"):
+        dev.launch(prog, x, x, vals=(2,))
+    small = await dev.compile("#include <stdint.h>\nvoid kernel(uint8_t *b, uint8_t v) { b[0] = v; }")
+    with pytest.raises(ValueError, match=r"scalar 0 = 256 does not fit 'uint8_t v'"):
+        dev.launch(small, x, vals=(256,))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("src", "match"),
+    [
+        ("int kernel = 3;", "is not a function defined in the source"),
+        ("void other(void) {}", "defines no function named 'kernel'"),
+        ("void kernel(int n, ...) {}", "variadic"),
+        ("struct s { int a; };\nvoid kernel(struct s v) {}", "only pointers, integer types and float/double"),
+        ("float kernel(void) { return 1; }", "must return void or an integer status"),
+    ],
+)
+async def test_what_is_not_a_kernel_is_refused_at_compile_time(src: str, match: str) -> None:
+    with pytest.raises(CompileError, match=match):
+        await Device["CPU"].compile(src)
+
+
+@pytest.mark.anyio
+async def test_a_kernel_reports_failure_through_its_status() -> None:
+    dev = Device["CPU"]
+    src = "#include <stdint.h>\nint kernel(uint8_t *b, int64_t bad) { if (bad) return 7; b[0] = 1; return 0; }"
+    prog = await dev.compile(src)
+    buf = await dev.allocate(1)
+    await dev.launch(prog, buf, vals=(0,))
+    with pytest.raises(KernelError, match="returned status 7") as info:
+        await dev.launch(prog, buf, vals=(1,))
+    assert info.value.status == 7
+    reader = dev.copyout(buf)
+    with pytest.raises(Exception, match="depends on kernel, which failed"):
+        await reader
+    await dev.launch(prog, buf, vals=(0,))  # the device goes on
+    assert bytes(await dev.copyout(buf)) == b"\x01"
+
+
+def test_the_engine_can_be_forced_and_is_reported() -> None:
+    code = "from aruntime import Device; print(Device['CPU'])"
+    env = {**os.environ, "ARUNTIME_ENGINE": "python"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert "python engine" in out
+    env["ARUNTIME_ENGINE"] = "fast"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode != 0 and "ARUNTIME_ENGINE='fast'" in proc.stderr
