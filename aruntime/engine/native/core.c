@@ -453,7 +453,7 @@ static void *worker(void *arg) {
         }
         case K_EXEC: {
           int rc = ((entry_fn)(uintptr_t)cmd.a)((const uint64_t *)(uintptr_t)cmd.b);
-          ranged = 1;
+          ranged = !rc; /* a command that failed records no range */
           if (rc) {
             log_failure(e, &cmd, E_KERNEL, rc);
             skipping = cmd.value;
@@ -481,6 +481,7 @@ static void *worker(void *arg) {
         case K_PY:
           ranged = 1;
           if (run_python(e, &cmd)) {
+            ranged = 0;
             log_failure(e, &cmd, E_PYTHON, 0);
             skipping = cmd.value;
           }

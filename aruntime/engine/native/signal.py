@@ -79,6 +79,9 @@ class NativeSignal(TimelineSignal):
         """Call ``callback`` once the value reaches ``value``: on ``where`` (a notified from :meth:`here`), else on
         the calling thread's loop, or the callback thread outside any loop; now if it already has."""
         if self._v[0] >= value:
+            retire = self.retire
+            if retire is not None:
+                retire()
             callback()
             return
         target = where if isinstance(where, Notified) else current_notified()
