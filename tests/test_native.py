@@ -228,3 +228,23 @@ def test_the_engine_can_be_forced_and_is_reported() -> None:
     env["ARUNTIME_ENGINE"] = "fast"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode != 0 and "ARUNTIME_ENGINE='fast'" in proc.stderr
+
+
+@pytest.mark.anyio
+async def test_a_driver_callback_completes_a_signal_without_python() -> None:
+    import ctypes
+
+    from aruntime.engine import TimelineSignal, native
+
+    lib = native.lib()
+    assert lib is not None
+    sig = TimelineSignal("driver queue", timeout=5)
+    completion = lib.ar_completion_new(sig.ptr, 3)  # type: ignore[attr-defined]
+    host_fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(ctypes.cast(lib.ar_completion_host_fn, ctypes.c_void_p).value)
+    # what a driver's own thread does: call the host function it was given, with its argument
+    thread = threading.Thread(target=host_fn, args=(completion,))
+    with anyio.fail_after(5):
+        thread.start()
+        await sig.wait_async(3)
+    thread.join()
+    assert sig.value == 3

@@ -59,7 +59,7 @@ def _build() -> ctypes.CDLL:
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, u64, i64, u32 = c_void_p, c_uint64, c_int64, c_uint32
-    for name, res, args in (
+    declared: tuple[tuple[str, object, list[object] | None], ...] = (
         ("ar_sig_new", p, [u64]),
         ("ar_sig_free", None, [p]),
         ("ar_sig_set", c_int, [p, u64]),
@@ -70,7 +70,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("ar_notifier_ack", None, [c_int]),
         ("ar_notify", None, [c_int]),
         ("ar_engine_new", p, [p, i64]),
-        ("ar_push", c_int, [p, u32, u32, u64, u64, u64, u64, u64, u64, u32, u32]),
+        ("ar_submit", c_int, None),  # (engine, records, count): no argtypes, the fastest ctypes call
         ("ar_take_failures", c_size_t, [p, p, c_size_t]),
         ("ar_take_ranges", c_size_t, [p, p, c_size_t]),
         ("ar_py_next", c_int, [p, ctypes.POINTER(u64), ctypes.POINTER(u32)]),
@@ -80,10 +80,13 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("ar_engine_free", None, [p]),
         ("ar_engine_field", c_size_t, [c_int]),
         ("ar_now_ns", i64, []),
-    ):
+        ("ar_completion_new", p, [p, u64]),
+    )
+    for name, res, args in declared:
         fn = getattr(lib, name)
         fn.restype = res
-        fn.argtypes = args
+        if args is not None:
+            fn.argtypes = args
 
 
 def lib() -> ctypes.CDLL | None:

@@ -241,6 +241,39 @@ int ar_sig_wait(ar_sig *s, uint64_t v, int64_t timeout_ns) {
   return result;
 }
 
+/* ---- completions from driver threads ---------------------------------------------------------------- */
+
+/* What a driver callback completes: set sig to value. Made by Python (ar_completion_new), freed by the
+ * callback that runs it, so a backend hands one to the driver per completion it asks for. */
+typedef struct {
+  ar_sig *sig;
+  uint64_t value;
+} ar_completion;
+
+ar_completion *ar_completion_new(ar_sig *sig, uint64_t value) {
+  ar_completion *c = malloc(sizeof(ar_completion));
+  if (c) {
+    c->sig = sig;
+    c->value = value;
+  }
+  return c;
+}
+
+/* A host function for a driver stream (CUDA's cuLaunchHostFunc: void (*)(void *)): sets the signal, which
+ * writes the notifiers of the loops waiting for it. Runs no Python. */
+void ar_completion_host_fn(void *arg) {
+  ar_completion *c = arg;
+  ar_sig_set(c->sig, c->value);
+  free(c);
+}
+
+/* An event callback (OpenCL's clSetEventCallback: void (*)(cl_event, cl_int, void *)). */
+void ar_completion_event_fn(void *event, int32_t status, void *arg) {
+  (void)event;
+  (void)status;
+  ar_completion_host_fn(arg);
+}
+
 /* ---- engines -------------------------------------------------------------------------------------- */
 
 typedef struct {
@@ -526,29 +559,36 @@ ar_engine *ar_engine_new(ar_sig *timeline, int64_t spin_ns) {
   return e;
 }
 
-/* Append one command (the single producer: Python calls this under the engine's lock). Returns 0, or -1
- * if memory for a new chunk could not be had (nothing was appended). */
-int ar_push(ar_engine *e, uint32_t kind, uint32_t flags, uint64_t a, uint64_t b, uint64_t c, uint64_t d,
-            uint64_t value, uint64_t op, uint32_t name, uint32_t index) {
-  if (e->tail_pos == CHUNK) {
-    chunk *fresh = calloc(1, sizeof(chunk));
-    if (!fresh) return -1;
-    atomic_store_explicit(&e->tail->next, fresh, memory_order_release);
-    e->tail = fresh;
-    e->tail_pos = 0;
+/* Append n command records (the single producer: Python calls this under the engine's lock) and wake the
+ * worker if it sleeps. Returns 0, or -1 if memory for a new chunk could not be had (nothing was appended). */
+int ar_submit(ar_engine *e, const ar_cmd *cmds, uint32_t n) {
+  unsigned free_here = CHUNK - e->tail_pos;
+  if (n > free_here) { /* chunks for all of them first, so that a failure appends nothing */
+    chunk *first = NULL, *last = NULL;
+    for (uint32_t have = free_here; have < n; have += CHUNK) {
+      chunk *fresh = calloc(1, sizeof(chunk));
+      if (!fresh) {
+        while (first) {
+          chunk *next = atomic_load(&first->next);
+          free(first);
+          first = next;
+        }
+        return -1;
+      }
+      if (last) atomic_store(&last->next, fresh);
+      else first = fresh;
+      last = fresh;
+    }
+    atomic_store_explicit(&e->tail->next, first, memory_order_release);
   }
-  ar_cmd *cmd = &e->tail->cmds[e->tail_pos++];
-  cmd->kind = kind;
-  cmd->flags = flags;
-  cmd->a = a;
-  cmd->b = b;
-  cmd->c = c;
-  cmd->d = d;
-  cmd->value = value;
-  cmd->op = op;
-  cmd->name = name;
-  cmd->index = index;
-  atomic_fetch_add(&e->published, 1);
+  for (uint32_t i = 0; i < n; i++) {
+    if (e->tail_pos == CHUNK) {
+      e->tail = atomic_load(&e->tail->next);
+      e->tail_pos = 0;
+    }
+    e->tail->cmds[e->tail_pos++] = cmds[i];
+  }
+  atomic_fetch_add(&e->published, n);
   if (atomic_load(&e->sleeping)) {
     pthread_mutex_lock(&e->lock);
     pthread_cond_signal(&e->cond);

@@ -17,6 +17,7 @@ each submission.
 from __future__ import annotations
 
 import ctypes
+import struct
 import threading
 from array import array
 from collections import deque
@@ -33,6 +34,8 @@ K_WAIT, K_SIGNAL, K_TIMESTAMP, K_COPY, K_EXEC, K_NOP, K_CHECK, K_PY, K_STOP = ra
 F_END, F_RECORD = 1, 2
 E_KERNEL, E_TIMEOUT, E_PYTHON, E_ORDER = 1, 2, 3, 4
 CHECK_BIT = 1 << 31
+_RECORD = struct.Struct("=IIQQQQQQII")
+"""One command record, as core.c's ``ar_cmd``: kind, flags, a, b, c, d, op value, op id, name id, index."""
 SPIN_NS = 20_000
 """How long a worker that ran out of commands polls for more before it sleeps (a wake-up costs more)."""
 
@@ -105,11 +108,12 @@ class NativeEngine(Engine):
         self.failures = _u64(eng + lib.ar_engine_field(1))
         assert isinstance(self.ranges, NativeRangeLog)
         self.ranges.bind(lib, eng)
-        self._push = lib.ar_push
+        self._submit = lib.ar_submit
+        self._handle = ctypes.c_void_p(eng)  # passed as it is: no argument conversion per submission
         self._inflight: deque[tuple[Op, list[Any] | None]] = deque()
         self._failed: dict[int, tuple[int, int, int]] = {}  # op value -> (command index, kind, status)
         self._python: dict[int, Op] = {}  # op value -> op, for ops with commands the Python thread runs
-        self._py_thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None
         self._retire_lock = threading.Lock()
         self._joined = False
         self.signal.retire = self.retire
@@ -127,29 +131,31 @@ class NativeEngine(Engine):
         inflight = self._inflight
         if inflight and inflight[0][0].value <= self.signal.value:
             self.retire()
-        push, eng, value, op_id = self._push, self.address, op.value, op.id
+        pack, value, op_id = _RECORD.pack, op.value, op.id
         record = F_RECORD if recorder.enabled else 0
         keep: list[Any] | None = None
         checked = not op.inputs
         last = len(cmds) - 1
+        records: list[bytes] = []
+        add = records.append
         if last < 0:
-            push(eng, K_NOP, F_END, 0, 0, 0, 0, value, op_id, 0, 0)
+            add(pack(K_NOP, F_END, 0, 0, 0, 0, value, op_id, 0, 0))
         for i, cmd in enumerate(cmds):
             kind = cmd[0]
             flags = F_END if i == last else 0
             if kind == WAIT:
                 sig = cmd[1]
-                push(eng, K_WAIT, flags, sig.ptr, cmd[2], int(sig.timeout * 1e9), 0, value, op_id, 0, i)
+                add(pack(K_WAIT, flags, sig.ptr, cmd[2], int(sig.timeout * 1e9), 0, value, op_id, 0, i))
                 checked = not op.inputs
                 continue
             if kind == SIGNAL:
-                push(eng, K_SIGNAL, flags, cmd[1].ptr, cmd[2], 0, 0, value, op_id, 0, i)
+                add(pack(K_SIGNAL, flags, cmd[1].ptr, cmd[2], 0, 0, value, op_id, 0, i))
                 continue
             if kind == TIMESTAMP:
                 slot = array("q", [0])
                 keep = keep or []
                 keep.append((cmd[1], slot))
-                push(eng, K_TIMESTAMP, flags, slot.buffer_info()[0], 0, 0, 0, value, op_id, 0, i)
+                add(pack(K_TIMESTAMP, flags, slot.buffer_info()[0], 0, 0, 0, value, op_id, 0, i))
                 continue
             if not checked:
                 checked = True
@@ -159,36 +165,32 @@ class NativeEngine(Engine):
                     keep.append(pairs)
                     self._python_runs(op)
                     address, count = pairs.buffer_info()
-                    push(eng, K_CHECK, 0, address, count // 2, 0, 0, value, op_id, 0, i | CHECK_BIT)
+                    add(pack(K_CHECK, 0, address, count // 2, 0, 0, value, op_id, 0, i | CHECK_BIT))
             fn = cmd[2]
             name = _name_id(cmd[1]) if record else 0
-            if kind == EXEC:
-                if type(fn) is Entry:
-                    push(eng, K_EXEC, flags | record, fn.address, cmd[3][1], 0, 0, value, op_id, name, i)
-                elif id(fn) in NOTHING:
-                    push(eng, K_NOP, flags | record, 0, 0, 0, 0, value, op_id, name, i)
-                else:
-                    self._python_runs(op)
-                    push(eng, K_PY, flags | record, 0, 0, 0, 0, value, op_id, name, i)
-            elif kind == COPY:
-                if id(fn) in NATIVE_COPIES:
-                    push(eng, K_COPY, flags | record, cmd[3], cmd[4], cmd[5], self.chunk, value, op_id, name, i)
-                elif id(fn) in NOTHING:
-                    push(eng, K_NOP, flags | record, 0, 0, 0, 0, value, op_id, name, i)
-                else:
-                    self._python_runs(op)
-                    push(eng, K_PY, flags | record, 0, 0, 0, 0, value, op_id, name, i)
+            flags |= record
+            if kind == EXEC and type(fn) is Entry:
+                add(pack(K_EXEC, flags, fn.address, cmd[3][1], 0, 0, value, op_id, name, i))
+            elif kind == COPY and id(fn) in NATIVE_COPIES:
+                add(pack(K_COPY, flags, cmd[3], cmd[4], cmd[5], self.chunk, value, op_id, name, i))
+            elif kind in (EXEC, COPY) and id(fn) in NOTHING:
+                add(pack(K_NOP, flags, 0, 0, 0, 0, value, op_id, name, i))
+            elif kind in (EXEC, COPY):
+                self._python_runs(op)
+                add(pack(K_PY, flags, 0, 0, 0, 0, value, op_id, name, i))
             else:
                 raise ValueError(f"{op.name}: unknown command kind {kind!r}")
+        if self._submit(self._handle, records[0] if len(records) == 1 else b"".join(records), len(records)):
+            raise MemoryError(f"{op.name}: no memory for the commands of {self.signal.name}")
         inflight.append((op, keep))
 
     def _python_runs(self, op: Op) -> None:
         """Let the engine's Python thread (started now if need be) find ``op`` (before its command is pushed)."""
         self._python[op.value] = op
-        if self._py_thread is None:
-            self._py_thread = threading.Thread(target=self._serve_python, name=f"{self.signal.name} python")
-            self._py_thread.daemon = True
-            self._py_thread.start()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve_python, name=f"{self.signal.name} python")
+            self._thread.daemon = True
+            self._thread.start()
 
     def _check_pairs(self, op: Op) -> array[int] | None:
         """The (engine address, value) pairs the worker checks before the op's first copy or kernel, or None if
@@ -204,19 +206,19 @@ class NativeEngine(Engine):
         return pairs if pairs else None
 
     def _stop(self) -> None:
-        self._push(self.address, K_STOP, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+        self._submit(self._handle, _RECORD.pack(K_STOP, 0, 0, 0, 0, 0, 0, 0, 0, 0), 1)
 
     def close(self) -> None:
         """Stop accepting work; wait until what was submitted has run (unless called from this engine's thread)."""
         super().close()
-        if threading.current_thread() is self._py_thread:
+        if threading.current_thread() is self._thread:
             return
         self._lib.ar_engine_join(self.address)
         assert isinstance(self.ranges, NativeRangeLog)
         self.ranges.detach()
         self._joined = True
-        if self._py_thread is not None:
-            self._py_thread.join()
+        if self._thread is not None:
+            self._thread.join()
         self.retire()
 
     # ---- the Python thread --------------------------------------------------------------------------
