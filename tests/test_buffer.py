@@ -431,8 +431,7 @@ def test_a_huge_cpu_allocation_is_an_allocation_error() -> None:
 
 
 def test_a_release_deferred_behind_an_op_frees_what_the_handle_came_from() -> None:
-    from aruntime.engine import CommandQueue, Op
-    from aruntime.engine import TimelineSignal
+    from aruntime.engine import CommandQueue, Op, TimelineSignal
 
     dev = Device["CPU:3"]
     alloc = dev.allocator

@@ -24,9 +24,8 @@ from aruntime import (
     dtypes,
 )
 from aruntime.device import BaseDevice, Program
-from aruntime.engine import CommandQueue, Op
+from aruntime.engine import CommandQueue, Op, TimelineSignal
 from aruntime.events import DependencyEvent, RangeEvent, recorder
-from aruntime.engine import TimelineSignal
 from tests.kernels import ACCUMULATE, ADD_ONE, SCALE, SPINS, Failing, closed_gate
 
 pytestmark = pytest.mark.anyio

@@ -171,7 +171,7 @@ def _entry_source(name: str, sig: Signature) -> str:
     body = f"return (int){call};" if sig.status else f"{call}; return 0;"
     described = json.dumps({"status": sig.status, "params": [[p.kind, p.bits, p.text] for p in sig.params]})
     return (
-        "\n#line 1 \"aruntime entry\"\n"
+        '\n#line 1 "aruntime entry"\n'
         "static inline double __aruntime_double(const unsigned long long *p) "
         "{ double d; __builtin_memcpy(&d, p, 8); return d; }\n"
         f"int {_ENTRY}{name}(const unsigned long long *a) {{ {body} }}\n"
@@ -219,7 +219,9 @@ class CPUProgram(Program):
             entry = self._lib[_ENTRY + name]
             described = ctypes.c_char_p.in_dll(self._lib, _SIGNATURE + name)
         except (AttributeError, ValueError):
-            raise CompileError(f"the compiled library has no kernel {name!r} (compile it with CPUDevice.compile)")
+            raise CompileError(
+                f"the compiled library has no kernel {name!r} (compile it with CPUDevice.compile)"
+            ) from None
         info = json.loads(ctypes.string_at(ctypes.addressof(described)).decode())
         self.signature = Signature(tuple(Param(k, b, t) for k, b, t in info["params"]), info["status"])
         """The kernel's parameters, read from its definition."""
@@ -255,9 +257,12 @@ class CPUProgram(Program):
             if param.kind == "f":
                 words.append(float(val))
             elif isinstance(val, float):
-                raise TypeError(f"launch {self.name}: scalar {vi} is a float ({val!r}) but {param.text!r} is an integer")
+                raise TypeError(
+                    f"launch {self.name}: scalar {vi} is a float ({val!r}) but {param.text!r} is an integer"
+                )
             else:
-                low, high = (-(1 << (param.bits - 1)), 1 << (param.bits - 1)) if param.kind == "i" else (0, 1 << param.bits)
+                bits = param.bits
+                low, high = (-(1 << (bits - 1)), 1 << (bits - 1)) if param.kind == "i" else (0, 1 << bits)
                 if not low <= val < high:
                     raise ValueError(f"launch {self.name}: scalar {vi} = {val} does not fit {param.text!r}")
                 words.append(val)

@@ -85,24 +85,29 @@ class TimelineSignal:
 class PySignal(TimelineSignal):
     """A signal of the Python engine: a counter under a lock; callbacks run on the thread that advances it."""
 
-    __slots__ = ("_blocked", "_callbacks", "_cond", "_lock", "value")  # type: ignore[assignment]
+    __slots__ = ("_blocked", "_callbacks", "_cond", "_lock", "_value")
 
     def __init__(self, name: str, timeout: float) -> None:
         self.name = name
         self.timeout = timeout
-        self.value = 0
+        self._value = 0
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._callbacks: dict[int, list[Callable[[], None]]] = {}
         self._blocked = 0
 
+    @property
+    def value(self) -> int:
+        """The counter's current value."""
+        return self._value
+
     def set(self, value: int) -> None:
         """Advance the counter to ``value`` and wake everything waiting for it."""
         with self._lock:
-            old = self.value
+            old = self._value
             if value <= old:
                 raise ValueError(f"{self.name}: timeline must increase (at {old}, asked to set {value})")
-            self.value = value
+            self._value = value
             if self._blocked:
                 self._cond.notify_all()
             callbacks = self._callbacks

@@ -78,9 +78,7 @@ class NativeRangeLog(RangeLog):
             self._seen += n
             for i in range(n):
                 start, end, op, name = buf[4 * i : 4 * i + 4]
-                events.append(
-                    RangeEvent(self.device, _name_list[name], start / 1000.0, end / 1000.0, self.is_copy, op)
-                )
+                events.append(RangeEvent(self.device, _name_list[name], start / 1000.0, end / 1000.0, self.is_copy, op))
         return events
 
     def detach(self) -> None:

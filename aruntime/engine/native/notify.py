@@ -14,6 +14,7 @@ loop. A loop that ends hands its pending callbacks to the callback thread, so no
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
@@ -83,16 +84,13 @@ class Notified:
                     self._armed[sig] = value
                     if self._lib.ar_sig_arm(sig.ptr, self.slot, value):
                         self._lib.ar_notify(self.slot)  # reached meanwhile: the consumer finds it when it drains
-        if moved:
-            if callable(item):
-                callback_thread().add(sig, value, item)
+        if moved and callable(item):
+            callback_thread().add(sig, value, item)
 
     def drain(self) -> None:
         """Resume or call whatever was reached (on the consumer's thread, when its descriptor is readable)."""
-        try:
+        with contextlib.suppress(BlockingIOError, InterruptedError):
             os.read(self.fd, 8)
-        except (BlockingIOError, InterruptedError):
-            pass
         self._lib.ar_notifier_ack(self.slot)
         while True:
             ready: list[Item] = []

@@ -118,7 +118,8 @@ class NativeSignal(TimelineSignal):
         import trio
 
         twaker = trio_waker()
-        waiter = Waiter(trio.lowlevel.current_task(), trio.current_time() + limit, lambda: self._timeout_error(value, limit))
+        task = trio.lowlevel.current_task()
+        waiter = Waiter(task, trio.current_time() + limit, lambda: self._timeout_error(value, limit))
         twaker.native().add(self, value, waiter)
         twaker.track(waiter)
 
