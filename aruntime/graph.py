@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -414,7 +414,18 @@ class Graph:
 
 
 def _record_when_done(run: GraphRun, graph: Graph, plan: _Plan, times: list[list[float]]) -> None:
+    """Record the replay's :class:`GraphEvent` once all its parts are done: when they finish, or when the run is
+    awaited, whichever comes first (callbacks may run a little after the parts finish)."""
+    recorded = [False]
+    lock = threading.Lock()
+
     def record() -> None:
+        with lock:
+            if recorded[0]:
+                return
+            recorded[0] = True
+        for op in run.ops:
+            op.refresh()  # the parts' timestamps are filled in
         entries = tuple(
             GraphEntry(e.device.name, e.name, engine.is_copy)
             for e, engine in zip(graph.entries, plan.placed, strict=True)
@@ -423,6 +434,7 @@ def _record_when_done(run: GraphRun, graph: Graph, plan: _Plan, times: list[list
         ends = tuple(t[1] if len(t) == 2 else 0.0 for t in times)
         recorder.events.append(GraphEvent(entries, plan.deps, starts, ends))
 
+    run.settled_hook = record
     one_done = after_all(len(run.ops), record)
     for op in run.ops:
         op.when_done(one_done)
@@ -434,6 +446,7 @@ class GraphRun:
     def __init__(self, ops: tuple[Op, ...], results: dict[str, Any]) -> None:
         self.ops = ops
         self.results = results
+        self.settled_hook: Callable[[], None] | None = None  # runs once every part is done, when awaited
 
     def done(self) -> bool:
         """Whether every engine has finished its part of the replay."""
@@ -445,6 +458,8 @@ class GraphRun:
     async def _wait(self) -> dict[str, Any]:
         for op in self.ops:
             await op.settled()
+        if self.settled_hook is not None:
+            self.settled_hook()
         failed = [op for op in self.ops if op.error is not None]
         if failed:
             raise first_failure(failed, "of this replay failed")

@@ -183,10 +183,15 @@ class Op:
             engine.retire()
         return True
 
-    def _outcome(self) -> Any:
+    def refresh(self) -> None:
+        """Once the op is done, bring what its engine learns afterwards up to date: its error, its timestamps,
+        the memory it kept alive (see :meth:`Engine.retire`)."""
         engine = self.engine
         if engine is not None and (self.cmds is not None or engine.failures[0] != engine.failures_seen):
-            engine.retire()  # done but not yet retired: its error, timestamps and what it kept are settled now
+            engine.retire()
+
+    def _outcome(self) -> Any:
+        self.refresh()
         if self.error is not None:
             self.observed = True
             raise self.error
