@@ -82,11 +82,16 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("ar_now_ns", i64, []),
         ("ar_completion_new", p, [p, u64]),
     )
+    # the calls that cannot block keep the GIL: releasing it costs more than they take, and getting it back
+    # can wait behind another thread for a whole switch interval
+    keep_gil = ctypes.PyDLL(lib._name, handle=lib._handle)
+    blocking = {"ar_sig_wait", "ar_py_next", "ar_engine_join", "ar_engine_free"}
     for name, res, args in declared:
-        fn = getattr(lib, name)
+        fn = getattr(lib if name in blocking else keep_gil, name)
         fn.restype = res
         if args is not None:
             fn.argtypes = args
+        setattr(lib, name, fn)
 
 
 def lib() -> ctypes.CDLL | None:
