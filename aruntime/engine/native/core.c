@@ -19,6 +19,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stddef.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -411,7 +412,10 @@ static ar_cmd *next_cmd(ar_engine *e) {
   if (atomic_load_explicit(&e->published, memory_order_acquire) == e->consumed) {
     int64_t until = now_ns() + e->spin_ns;
     while (atomic_load_explicit(&e->published, memory_order_acquire) == e->consumed) {
-      if (now_ns() < until) continue;
+      if (now_ns() < until) { /* poll a while (a wake-up costs more), giving the CPU to any thread that wants it */
+        sched_yield();
+        continue;
+      }
       pthread_mutex_lock(&e->lock);
       atomic_store(&e->sleeping, 1);
       while (atomic_load(&e->published) == e->consumed) pthread_cond_wait(&e->cond, &e->lock);
