@@ -282,7 +282,6 @@ class CLProgram(Program):
         self.kernel = cl.Kernel(program, name)
         self.global_size: tuple[int, ...] = (1,)
         self.local_size: tuple[int, ...] | None = None
-        self._align = max(1, device.cl_device.mem_base_addr_align // 8)
 
     def sized(self, global_size: Sequence[int], local_size: Sequence[int] | None = None) -> CLProgram:
         """This kernel over ``global_size`` work items (in work groups of ``local_size``; None: the driver's)."""
@@ -315,7 +314,7 @@ class CLProgram(Program):
                 if not low <= val < high:
                     raise ValueError(f"{what}: scalar {i} = {val} does not fit in the {kind} parameter")
             scalars.append(np.array(val, dtype=fmt)[()])
-        align = self._align
+        align = self.device.view_alignment
         args = [h.kernel_arg(align) for h in addresses] + scalars  # type: ignore[attr-defined]
         return self._run, (self.kernel, self.global_size, self.local_size, args)
 
@@ -497,6 +496,8 @@ class CLDevice(BaseDevice):
         self.context, _ = _platform()
         super().__init__(name)
         self.compiler = CLCompiler(self.cl_device)
+        self.view_alignment: int = max(1, self.cl_device.mem_base_addr_align // 8)
+        """The byte alignment a view's offset needs to be a kernel argument (a sub-buffer)."""
 
     def _make_engine(self, kind: str, timeout: float) -> Engine:
         props = cl.command_queue_properties.PROFILING_ENABLE
