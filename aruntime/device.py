@@ -23,8 +23,9 @@ from aruntime.errors import BufferUsageError, DeviceError
 from aruntime.events import DependencyEvent, DeviceEvent, recorder
 from aruntime.helpers import after_all, canonicalize, getenv, pin
 
-PRIORITY = ("CUDA", "CL", "CPU")
-"""Kinds tried in order for the default device (file-backed kinds and NULL are never the default)."""
+PRIORITY = ("CUDA", "CPU", "CL")
+"""Kinds tried in order for the default device (file-backed kinds and NULL are never the default; CPU goes
+before CL, whose only driver here, PoCL, runs on the same CPU: set CL=1 to make CL the default)."""
 
 Bound = tuple[Callable[..., object], tuple[Any, ...]]
 """What :meth:`Program.bind` returns: the callable an engine runs for one launch, and its arguments."""

@@ -348,5 +348,6 @@ def test_an_installed_package_adds_a_device_kind(fake_site: Path, tmp_path: Path
 def test_without_the_package_the_kind_is_unknown(tmp_path: Path) -> None:
     proc = run_python("from aruntime import Device; Device['FAKE']", child_env(tmp_path))
     assert (
-        proc.returncode == 1 and "DeviceError: unknown device kind 'FAKE'; known kinds: CPU, DISK, NULL" in proc.stderr
+        proc.returncode == 1
+        and "DeviceError: unknown device kind 'FAKE'; known kinds: CL, CPU, DISK, NULL" in proc.stderr
     )

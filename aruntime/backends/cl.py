@@ -16,9 +16,10 @@ submitted ops, then completes them. That step is :func:`wait_event` and :meth:`C
 Kernels are OpenCL C. ``launch(prog, *bufs, vals=...)`` passes each buffer as a ``__global``
 pointer, then each scalar, checked against the kernel's declared parameter types before anything
 is enqueued (an ``int`` for an integer parameter, in its range; a ``float`` for ``float`` or
-``double``). A kernel runs over ``prog.global_size`` work items (default ``(1,)``); ``prog.sized``
-gives a copy with other sizes. A buffer view passed to a kernel becomes a sub-buffer, so its offset
-must be a multiple of the device's base address alignment.
+``double``). ``compile(src)`` without a name loads the source's only kernel. A kernel runs over
+``prog.global_size`` work items (default ``(1,)``); ``prog.sized`` gives a copy with other sizes.
+A buffer view passed to a kernel becomes a sub-buffer, so its offset must be a multiple of
+``dev.view_alignment`` (the device's base address alignment).
 
 Memory is allocated with ``CL_MEM_ALLOC_HOST_PTR``: PoCL's CPU device keeps it in host memory, so
 a host copy is one ``memcpy`` by the driver straight between the caller's memory and the buffer
@@ -43,7 +44,7 @@ from aruntime.allocator import BufferSpec, LRUAllocator
 from aruntime.compiler import Compiler
 from aruntime.device import BaseDevice, Bound, Program
 from aruntime.dtype import DType, dtypes
-from aruntime.engine import COPY, EXEC, SIGNAL, TIMESTAMP, WAIT, Command, Engine, Op, check_deps
+from aruntime.engine import EXEC, SIGNAL, TIMESTAMP, WAIT, Command, Engine, Op, check_deps
 from aruntime.errors import BufferUsageError, CompileError, DeviceError
 from aruntime.events import recorder
 from aruntime.signal import TimelineSignal
@@ -251,15 +252,13 @@ class CLCompiler(Compiler):
             program.build(options=list(OPTIONS), devices=[self.cl_device])
         except cl.Error as exc:
             try:
-                log = program.get_build_info(self.cl_device, cl.program_build_info.LOG)
+                log = program.get_build_info(self.cl_device, cl.program_build_info.LOG)  # type: ignore[no-untyped-call]
             except cl.Error:
                 log = str(exc)
             raise CompileError(f"OpenCL build failed on {self.cl_device.name}:\n{str(log).strip()}") from None
-        signatures = {
-            k.function_name: [_param_kind(k, i) for i in range(k.num_args)] for k in program.all_kernels()
-        }
-        (binary,) = program.get_info(cl.program_info.BINARIES)
-        return _pack(signatures, bytes(binary))
+        signatures = {k.function_name: [_param_kind(k, i) for i in range(k.num_args)] for k in program.all_kernels()}
+        binaries: Any = program.get_info(cl.program_info.BINARIES)
+        return _pack(signatures, bytes(binaries[0]))
 
 
 class CLProgram(Program):
@@ -270,6 +269,8 @@ class CLProgram(Program):
     def __init__(self, device: BaseDevice, name: str, lib: bytes, outs: Sequence[int] | None = None) -> None:
         super().__init__(device, name, lib, outs)
         signatures, binary = _unpack(lib)
+        if name == "kernel" and len(signatures) == 1:  # compile's default name (an OpenCL C keyword): the only one
+            self.name = name = next(iter(signatures))
         if name not in signatures:
             raise CompileError(f"the OpenCL program has no kernel {name!r} (it has: {', '.join(sorted(signatures))})")
         self.params = tuple(signatures[name])
@@ -298,8 +299,10 @@ class CLProgram(Program):
         """The enqueue function the CL compute queue calls, with buffers and scalars checked against the kernel."""
         what = f"launch {self.name}"
         if len(addresses) + len(vals) != len(self.params) or any(p != "buffer" for p in self.params[: len(addresses)]):
-            raise TypeError(f"{what}: the kernel takes ({', '.join(self.params)}), got {len(addresses)} buffer(s) "
-                            f"then {len(vals)} scalar(s)")
+            raise TypeError(
+                f"{what}: the kernel takes ({', '.join(self.params)}), got {len(addresses)} buffer(s) "
+                f"then {len(vals)} scalar(s)"
+            )
         scalars = []
         for i, (val, kind) in enumerate(zip(vals, self.params[len(addresses) :], strict=True)):
             fmt = SCALARS[kind]
@@ -364,7 +367,7 @@ class CLEngine(Engine):
         try:
             if op.inputs:
                 check_deps(op)
-            for i, cmd in enumerate(cmds):
+            for i, cmd in enumerate(cmds):  # noqa: B007 (after a failure, i says where it stopped)
                 kind = cmd[0]
                 if kind == WAIT:
                     signal, value = cmd[1], cmd[2]
@@ -375,7 +378,7 @@ class CLEngine(Engine):
                     if event is not None:
                         wait_for.append(event)
                     continue
-                if kind == SIGNAL or kind == TIMESTAMP:
+                if kind in (SIGNAL, TIMESTAMP):
                     last = cl.enqueue_marker(queue, wait_for=wait_for or None)
                     steps.append((*cmd, last))
                 elif kind == EXEC:
@@ -398,6 +401,12 @@ class CLEngine(Engine):
     def _copy(self, dst: Any, src: Any, nbytes: int, wait_for: list[Any]) -> Any:
         queue, waits = self.queue, wait_for or None
         if isinstance(dst, CLHandle) and isinstance(src, CLHandle):
+            if dst.mem is src.mem and abs(dst.offset - src.offset) < nbytes:  # overlapping: OpenCL refuses it
+                if dst.offset == src.offset:
+                    return cl.enqueue_marker(queue, wait_for=waits)
+                staging = CLHandle(cl.Buffer(self.context, cl.mem_flags.READ_WRITE, nbytes), 0, nbytes)
+                self._copy(staging, src, nbytes, wait_for)  # freed by the driver once the commands are done
+                return self._copy(dst, staging, nbytes, [])
             return cl.enqueue_copy(
                 queue, dst.mem, src.mem, byte_count=nbytes, src_offset=src.offset, dst_offset=dst.offset, wait_for=waits
             )
