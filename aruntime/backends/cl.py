@@ -10,8 +10,8 @@ another) is an OpenCL event wait list, and only a wait on a non-CL signal is a h
 user event that the waiting queue's completion thread sets once the signal passes.
 
 Completion: one thread per queue blocks in ``clWaitForEvents`` (called through ctypes on the ICD
-loader pyopencl links, so the GIL is released while it blocks) on the last event of each run of
-submitted ops, then completes them. That step is :func:`wait_event` and :meth:`CLEngine._finish`.
+loader pyopencl links, so the GIL is released while it blocks) on each op's last event, in order,
+then completes the op. That step is :func:`wait_event` and :meth:`CLEngine._finish`.
 
 Kernels are OpenCL C. ``launch(prog, *bufs, vals=...)`` passes each buffer as a ``__global``
 pointer, then each scalar, checked against the kernel's declared parameter types before anything
@@ -419,31 +419,14 @@ class CLEngine(Engine):
         raise DeviceError(f"{self.signal.name}: a copy with no CL memory at either end")
 
     def _run(self) -> None:
-        work = self._work
-        while (item := work.get()) is not None:
-            batch = [item]
-            while not item[1]:  # a run of ops with no host step: one driver wait covers them all
-                try:
-                    nxt = work.get_nowait()
-                except queues.Empty:
-                    break
-                if nxt is None:
-                    work.put(None)
-                    break
-                batch.append(nxt)
-                item = nxt
-            self._finish(batch)
+        while (item := self._work.get()) is not None:
+            self._finish(*item)
 
-    def _finish(self, batch: list[tuple[Op, list[Step], Any, list[tuple[str, Any]], Any]]) -> None:
-        """Wait for a run of ops (only the last may have host steps) and complete them in order."""
-        *plain, (op, steps, last, ranges, error) = batch
-        ends = [b[2] for b in plain if b[2] is not None]
-        failed = ends and wait_event(ends[-1]) is not None  # then find out which ones failed
-        for item in plain:
-            item_error = item[4]
-            if item_error is None and failed and item[2] is not None:
-                item_error = wait_event(item[2])
-            self._done(item[0], item[3], item_error)
+    def _finish(
+        self, op: Op, steps: list[Step], last: Any, ranges: list[tuple[str, Any]], error: BaseException | None
+    ) -> None:
+        """Do the op's host steps in order, wait for its last event, complete it. An op already done costs one
+        ``clWaitForEvents`` that returns at once, so a run of finished ops completes without sleeping."""
         for step in steps:
             if step[0] == WAIT:
                 if error is None:
@@ -462,9 +445,6 @@ class CLEngine(Engine):
                 step[1].append(event.profile.end / 1000.0)  # the device clock, in µs
         if last is not None:
             error = error or wait_event(last)
-        self._done(op, ranges, error)
-
-    def _done(self, op: Op, ranges: list[tuple[str, Any]], error: BaseException | None) -> None:
         if error is None and op.inputs:
             try:
                 check_deps(op)  # a producer on another queue failed after this op was enqueued

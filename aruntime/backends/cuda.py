@@ -347,7 +347,7 @@ class CUDAEngine(Engine):
         self._epoch = self.stream.record(options=_TIMED)  # the zero of this engine's clock
         self._epoch.sync()
         self._submissions: queues.SimpleQueue[tuple[list[Command], Op] | None] = queues.SimpleQueue()
-        self._completions: queues.SimpleQueue[tuple[Op, list[tuple[Any, ...]], Any, list[Any], Any] | None] = (
+        self._completions: queues.SimpleQueue[tuple[Op | None, list[tuple[Any, ...]], Any, list[Any], Any] | None] = (
             queues.SimpleQueue()
         )
         _engines[id(self.signal)] = self
@@ -396,7 +396,7 @@ class CUDAEngine(Engine):
                 for i, cmd in enumerate(cmds):  # noqa: B007 (after a failure, i says where it stopped)
                     kind = cmd[0]
                     if kind == WAIT:
-                        self._wait_for(cmd[1], cmd[2])
+                        self._wait_for(cmd[1], cmd[2], steps)
                     elif kind in (SIGNAL, TIMESTAMP):
                         steps.append((*cmd, self.stream.record(options=_TIMED if kind == TIMESTAMP else _DONE)))
                     else:
@@ -419,7 +419,8 @@ class CUDAEngine(Engine):
             self._completions.put((op, steps, end, ranges, error))
         self._completions.put(None)
 
-    def _wait_for(self, signal: TimelineSignal, value: int) -> None:
+    def _wait_for(self, signal: TimelineSignal, value: int, steps: list[tuple[Any, ...]]) -> None:
+        """Order what follows after ``signal`` reaches ``value``; ``steps`` are the op's signals so far."""
         if signal.value >= value:
             return
         other = _engines.get(id(signal))
@@ -427,6 +428,9 @@ class CUDAEngine(Engine):
         if event is not None:
             self.stream.wait(event)  # ordered on the device, no host wait
         elif other is None:
+            if steps:  # what this op signalled so far may be what the wait needs (graph replays): set it first
+                self._completions.put((None, list(steps), None, [], None))
+                steps.clear()
             signal.wait(value)  # a signal no CUDA stream sets: wait for it here (times out after its timeout)
 
     def _copy(self, dst: Any, src: Any, nbytes: int) -> None:
@@ -464,6 +468,8 @@ class CUDAEngine(Engine):
                     step[1].set(step[2])
                 elif error is None:
                     step[1].append(self._device_us(event))
+            if op is None:  # the signals of an op whose submission waits on the host for another signal
+                continue
             error = error or wait_event(end)
             if error is None and op.inputs:
                 try:
