@@ -16,7 +16,9 @@ import pytest
 
 from aruntime import CompileError, Device, DeviceError, dtypes
 from aruntime.check import check_kind
+from aruntime.engine import CommandQueue, Op
 from aruntime.events import DependencyEvent, recorder
+from aruntime.signal import TimelineSignal
 
 pytestmark = pytest.mark.anyio
 cl = pytest.importorskip("pyopencl", reason="the opencl extra (pyopencl[pocl]) is not installed")
@@ -126,27 +128,51 @@ def test_a_second_process_loads_the_binary_from_the_cache(tmp_path: Path) -> Non
     assert second.returncode == 0 and second.stdout.strip() == "iota", second.stderr
 
 
-async def test_a_cross_queue_hazard_is_an_event_wait_list_not_a_host_wait() -> None:
-    other = Device["CL:1"]
+async def test_a_cross_queue_hazard_is_an_event_wait_list_not_a_host_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    other, cpu = Device["CL:1"], Device["CPU"]
     src = await DEV.allocate(1 << 20)
     dst = await other.allocate(1 << 20)
+    host = await cpu.allocate(1 << 20)
     data = bytes(range(256)) * 4096
+    user_events: list[object] = []
+    real = cl.UserEvent
+
+    def counted(context: object) -> object:
+        user_events.append(context)
+        return real(context)
+
+    iota = await DEV.compile(SCALARS, "iota", outs=(0,))
+    monkeypatch.setattr(cl, "UserEvent", counted)
     recorder.enabled = True
     try:
         mark = len(recorder.events)
-        write = DEV.copyin(src, data)
+        gate = TimelineSignal("gate", 10.0)
+        DEV.copy.submit(CommandQueue().wait(gate, 1), Op("gate"))  # holds CL's copy queue until opened
+        user_events.clear()  # (that wait is one)
+        DEV.copyin(src, data)
         move = DEV.transfer(dst, src)  # CL -> CL:1 on CL's copy queue, in order after the copy-in
-        read = other.copyout(dst)  # CL:1's copy queue waits for CL's copy queue: an event in its wait list
-        assert not move.done() or write.done()
-        assert DEV.copy._events.get(move.value) is not None or move.done()
+        launch = DEV.launch(iota, src.view(4, dtypes.int32, 0))  # CL's compute queue after the transfer read src
+        read = other.copyout(dst)  # CL:1's copy queue after CL's
+        assert user_events == [], "a hazard between CL queues went through the host"
+        gate.set(1)
         with anyio.fail_after(10):
             assert bytes(await read) == data
+            await launch
+        gate = TimelineSignal("gate", 10.0)
+        cpu.copy.submit(CommandQueue().wait(gate, 1), Op("gate"))  # holds CPU's copy queue until opened
+        cpu.copyin(host, data)
+        back = cpu.transfer(src, host)  # CPU -> CL runs on CL's copy queue, after CPU's copy queue: a host wait
+        assert len(user_events) == 1
+        gate.set(1)
+        with anyio.fail_after(10):
+            await back
     finally:
         recorder.enabled = False
     deps = [e for e in recorder.events[mark:] if isinstance(e, DependencyEvent)]
     assert DependencyEvent(move.id, read.id) in deps
     await DEV.free(src)
     await other.free(dst)
+    await cpu.free(host)
 
 
 def test_check_lists_cl_as_passing() -> None:
