@@ -495,8 +495,8 @@ class CUDAEngine(Engine):
 
 def _is_pinned(address: int) -> bool:
     """Whether host ``address`` is page-locked memory the driver knows (allocated or registered with it)."""
-    err, _ = driver.cuMemHostGetFlags(address)
-    return int(err) == 0
+    err, kind = driver.cuPointerGetAttribute(driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, address)
+    return int(err) == 0 and int(kind) == int(driver.CUmemorytype.CU_MEMORYTYPE_HOST)
 
 
 def _htod(stream: Any, dst: int, src: int, nbytes: int) -> None:
