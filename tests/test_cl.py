@@ -14,7 +14,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from aruntime import CompileError, Device, DeviceError, dtypes
+from aruntime import CompileError, Device, DeviceError, OpError, dtypes
 from aruntime.check import check_kind
 from aruntime.engine import CommandQueue, Op
 from aruntime.events import DependencyEvent, recorder
@@ -178,3 +178,15 @@ async def test_a_cross_queue_hazard_is_an_event_wait_list_not_a_host_wait(monkey
 def test_check_lists_cl_as_passing() -> None:
     result = check_kind("CL", None)
     assert result.opened and result.kernel, result.reason
+
+
+async def test_a_launch_the_driver_refuses_fails_its_op_and_the_queue_goes_on() -> None:
+    prog = await DEV.compile(SCALARS, "iota", outs=(0,))
+    out = await DEV.allocate(12, dtypes.int32)
+    bad = DEV.launch(prog.sized((10,), (3,)), out)  # 3 does not divide 10: clEnqueueNDRangeKernel refuses it
+    with pytest.raises(OpError, match=r"iota failed on CL compute queue: .*WORK_GROUP_SIZE"):
+        await bad
+    await DEV.launch(prog.sized((12,), (3,)), out)
+    assert list(array.array("i", bytes(await DEV.copyout(out)))) == list(range(12))
+    await DEV.synchronize()
+    await DEV.free(out)

@@ -392,7 +392,10 @@ class CLEngine(Engine):
                 last = cl.enqueue_marker(queue, wait_for=wait_for)
         except BaseException as exc:  # the op fails; the signals it was to set are set when its queue gets there
             error = exc
-            self._fail(op, exc)
+            if isinstance(exc, cl.Error):  # its repr says nothing: keep the driver's message
+                error = DeviceError(f"OpenCL refused it: {exc}")
+                error.__cause__ = exc
+            self._fail(op, error)
             steps.extend((SIGNAL, c[1], c[2], None) for c in cmds[i + 1 :] if c[0] == SIGNAL)
         if last is not None:
             self._events[op.value] = last
