@@ -247,12 +247,12 @@ class CLCompiler(Compiler):
 
     def compile(self, src: str) -> bytes:
         context, _ = _platform()
-        program = cl.Program(context, src)
+        program: Any = cl.Program(context, src)
         try:
             program.build(options=list(OPTIONS), devices=[self.cl_device])
         except cl.Error as exc:
             try:
-                log = program.get_build_info(self.cl_device, cl.program_build_info.LOG)  # type: ignore[no-untyped-call]
+                log = program.get_build_info(self.cl_device, cl.program_build_info.LOG)
             except cl.Error:
                 log = str(exc)
             raise CompileError(f"OpenCL build failed on {self.cl_device.name}:\n{str(log).strip()}") from None
