@@ -297,13 +297,17 @@ async def test_a_cancelled_wait_leaves_the_op_running_and_its_memory_held(kind: 
 
 async def test_a_wait_that_never_passes_times_out_and_the_queue_goes_on(kind: Kind) -> None:
     dev = kind.dev
+    held = TimelineSignal("gate", 30.0)
+    waited = gate_op(kind, held)
+    with pytest.raises(SignalTimeout, match=f"{dev.name} copy queue"):
+        await dev.copy.signal.wait_async(waited.value, timeout=0.01)  # an awaiter's own limit
+    held.set(1)
     gate = TimelineSignal("gate that stays shut", 0.2)
     stuck = gate_op(kind, gate)
     buf = await dev.allocate(64)
     behind = dev.copyin(buf, pattern(64))
-    with pytest.raises(SignalTimeout, match=f"{dev.name} copy queue"):
-        await dev.copy.signal.wait_async(stuck.value, timeout=0.01)  # an awaiter's own limit
     with anyio.fail_after(10):
+        await waited
         with pytest.raises(OpError, match=r"gate that stays shut: wait for value >= 1 did not pass within 0.2 s"):
             await stuck
         await behind  # the queue went on after the failed wait
