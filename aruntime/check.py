@@ -16,6 +16,10 @@ from aruntime.dtype import dtypes
 DOUBLE_SOURCES = {
     "CPU": "#include <stdint.h>\n"
     "void kernel(int32_t *out, const int32_t *x) { for (int i = 0; i < 3; i++) out[i] = x[i] * 2; }\n",
+    "CL": "__kernel void twice(__global int *out, __global const int *x) {"
+    " for (int i = 0; i < 3; i++) out[i] = x[i] * 2; }",
+    "CUDA": 'extern "C" __global__ void kernel(int *out, const int *x) {'
+    " for (int i = 0; i < 3; i++) out[i] = x[i] * 2; }",
 }
 """The kernel ``out = x * 2`` over three int32s, in each kind's kernel language."""
 

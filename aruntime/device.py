@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import anyio
 
-from aruntime.allocator import Allocator, BufferSpec
+from aruntime.allocator import Allocator, BufferSpec, HostAddressed
 from aruntime.buffer import Buffer
 from aruntime.compiler import Compiler
 from aruntime.dtype import DType, dtypes
@@ -23,8 +23,9 @@ from aruntime.errors import BufferUsageError, DeviceError
 from aruntime.events import DependencyEvent, DeviceEvent, recorder
 from aruntime.helpers import after_all, canonicalize, getenv, pin
 
-PRIORITY = ("CUDA", "CL", "CPU")
-"""Kinds tried in order for the default device (file-backed kinds and NULL are never the default)."""
+PRIORITY = ("CUDA", "CPU", "CL")
+"""Kinds tried in order for the default device (file-backed kinds and NULL are never the default; CPU goes
+before CL, whose only driver here, PoCL, runs on the same CPU: set CL=1 to make CL the default)."""
 
 Bound = tuple[Callable[..., object], tuple[Any, ...]]
 """What :meth:`Program.bind` returns: the callable an engine runs for one launch, and its arguments."""
@@ -221,7 +222,8 @@ class BaseDevice:
         return self._submit(self._copy_engine(buf, False), name, body, (buf,), (), (holder, buf), dest, hold)
 
     def transfer(self, dst: Buffer, src: Buffer, hold: bool = False) -> Op:
-        """Copy ``src`` (on this device) to ``dst`` (on any host-mapped device) on this device's copy engine.
+        """Copy ``src`` (on this device) to ``dst`` (on any device) on the copy engine :func:`transfer_device`
+        picks: this device's, unless only the destination's can reach both memories.
 
         The destination device's later work on ``dst`` waits for it. ``hold``: see :meth:`copyin`.
         """
@@ -232,9 +234,10 @@ class BaseDevice:
         dst_handle = dst_dev._check(dst, "transfer")
         if dst.nbytes != src.nbytes:
             raise BufferUsageError(f"transfer: {src!r} has {src.nbytes} bytes, {dst!r} has {dst.nbytes}")
+        runner = transfer_device(self, dst_dev)
         name = f"transfer {src.nbytes} B {self.name}->{dst_dev.name}"
-        body: list[Command] = [(COPY, name, self.copy_fn, dst_handle, src_handle, src.nbytes)]
-        return self._submit(self.copy, name, body, (src,), (dst,), (src, dst), hold=hold)
+        body: list[Command] = [(COPY, name, runner.copy_fn, dst_handle, src_handle, src.nbytes)]
+        return self._submit(runner.copy, name, body, (src,), (dst,), (src, dst), hold=hold)
 
     async def compile(self, src: str, name: str = "kernel", outs: Sequence[int] | None = None) -> Program:
         """Compile ``src`` off the event loop (through the compile cache) and load kernel ``name``.
@@ -343,6 +346,24 @@ class BaseDevice:
         self.compute.close()
         self.copy.close()
         Device.forget(self)
+
+
+def transfer_device(src: BaseDevice, dst: BaseDevice) -> BaseDevice:
+    """The device whose copy engine runs a transfer from ``src`` to ``dst``.
+
+    The source's, when both are one kind or both hold host addresses (an allocator that is
+    :class:`~aruntime.allocator.HostAddressed`: ``copy_fn`` is a memmove); the destination's when only the
+    source holds host addresses (a device with memory of its own copies between it and host addresses);
+    otherwise no device reaches both memories and it is a :class:`DeviceError`.
+    """
+    src_host, dst_host = isinstance(src.allocator, HostAddressed), isinstance(dst.allocator, HostAddressed)
+    if type(src) is type(dst) or dst_host:
+        return src
+    if src_host:
+        return dst
+    raise DeviceError(
+        f"transfer {src.name}->{dst.name}: neither device reaches the other's memory; copy out to the host and in"
+    )
 
 
 def check_scalars(what: str, vals: object, skip: type | None = None) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aruntime.buffer import Buffer
-from aruntime.device import BaseDevice, Program, check_scalar, check_scalars, dispatch_when_ready
+from aruntime.device import BaseDevice, Program, check_scalar, check_scalars, dispatch_when_ready, transfer_device
 from aruntime.engine import COPY, EXEC, SIGNAL, TIMESTAMP, WAIT, Command, Engine, Op, TimelineSignal, first_failure
 from aruntime.errors import BufferUsageError, DeviceError
 from aruntime.events import GraphEntry, GraphEvent, recorder
@@ -136,8 +136,7 @@ class Graph:
 
     def transfer(self, dst: Buffer, src: Buffer) -> None:
         """Capture a device-to-device copy on the source's copy engine."""
-        dev = _owner(src, "graph transfer")
-        _owner(dst, "graph transfer")
+        dev = transfer_device(_owner(src, "graph transfer"), _owner(dst, "graph transfer"))
         if dst.nbytes != src.nbytes:
             raise BufferUsageError(f"graph transfer: {src!r} has {src.nbytes} bytes, {dst!r} has {dst.nbytes}")
         self._add(_Entry("transfer", dev, dev.copy, f"transfer {src.nbytes} B", (src,), (dst,), nbytes=src.nbytes))

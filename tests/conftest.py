@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
+
+os.environ.setdefault("POCL_DEVICES", "pthread pthread")  # PoCL offers two OpenCL devices: CL and CL:1
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -119,7 +119,7 @@ def test_concurrent_first_opens_give_one_device() -> None:
 
 def test_unknown_kind_lists_the_known_kinds() -> None:
     before = Device.opened
-    with pytest.raises(DeviceError, match=r"unknown device kind 'NOPE'; known kinds: .*CPU, DISK, NULL"):
+    with pytest.raises(DeviceError, match=r"unknown device kind 'NOPE'; known kinds: .*CPU, CUDA, DISK, NULL"):
         Device["nope:1"]
     assert Device.opened == before  # nothing half-opened
 
@@ -348,5 +348,6 @@ def test_an_installed_package_adds_a_device_kind(fake_site: Path, tmp_path: Path
 def test_without_the_package_the_kind_is_unknown(tmp_path: Path) -> None:
     proc = run_python("from aruntime import Device; Device['FAKE']", child_env(tmp_path))
     assert (
-        proc.returncode == 1 and "DeviceError: unknown device kind 'FAKE'; known kinds: CPU, DISK, NULL" in proc.stderr
+        proc.returncode == 1
+        and "DeviceError: unknown device kind 'FAKE'; known kinds: CL, CPU, CUDA, DISK, NULL" in proc.stderr
     )

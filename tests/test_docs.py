@@ -9,6 +9,8 @@
   ``file=pyproject.toml`` block is a project: it is installed with pip first and
   the page's programs run with it importable. ``serve.py`` and ``client.py`` of
   the cookbook are run by the serving tests below, against a real uvicorn server.
+* A block whose info string carries ``requires=KIND`` runs only where that device kind opens (e.g. CUDA);
+  elsewhere it is skipped with the reason.
 * ``docs/api.md`` equals what ``docs/build_api.py`` generates now.
 """
 
@@ -86,6 +88,12 @@ class Block:
     def is_async(self) -> bool:
         return "anyio.run(" in self.code
 
+    @property
+    def requires(self) -> str | None:
+        """The device kind a ``requires=KIND`` block needs: it is skipped, with the reason, where that kind
+        does not open."""
+        return dict(self.attrs).get("requires")
+
 
 def parse(page: Path) -> list[Block]:
     text = page.read_text()
@@ -145,6 +153,13 @@ def project_sites(tmp_path_factory: pytest.TempPathFactory) -> dict[Path, Path]:
 
 
 def _prepare(block: Block, cwd: Path, env: dict[str, str], sites: dict[Path, Path]) -> tuple[Path, dict[str, str]]:
+    if block.requires is not None:
+        from aruntime import Device, DeviceError
+
+        try:
+            Device[block.requires]
+        except DeviceError as exc:
+            pytest.skip(f"the example needs a {block.requires} device: {exc}")
     env = dict(env)
     site = sites.get(block.page)
     if site is not None:

@@ -192,6 +192,9 @@ class Op:
 
     def _outcome(self) -> Any:
         self.refresh()
+        engine = self.engine
+        if engine is not None:
+            engine.signal.catch_up()
         if self.error is not None:
             self.observed = True
             raise self.error

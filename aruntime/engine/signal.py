@@ -55,6 +55,10 @@ class TimelineSignal:
         """Advance the counter to ``value`` and wake everything waiting for it."""
         raise NotImplementedError
 
+    def catch_up(self) -> None:
+        """Run, now, the callbacks of values already reached that the calling thread's loop has not run yet (so a
+        task that sees an op done also sees what was registered to happen then, e.g. a deferred free)."""
+
     def here(self) -> object:
         """Where a callback registered from the calling thread runs; pass it to :meth:`on_reach` to register one
         later, from elsewhere, that runs there too."""

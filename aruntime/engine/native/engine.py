@@ -170,7 +170,8 @@ class NativeEngine(Engine):
             if kind == EXEC and type(fn) is Entry:
                 add(pack(K_EXEC, flags, fn.address, cmd[3][1], 0, 0, value, op_id, name, i))
             elif kind == COPY and id(fn) in NATIVE_COPIES:
-                add(pack(K_COPY, flags, cmd[3], cmd[4], cmd[5], 0, value, op_id, name, i))  # one memmove: no GIL to hand back
+                # one memmove: chunks only let the Python engine hand back the GIL
+                add(pack(K_COPY, flags, cmd[3], cmd[4], cmd[5], 0, value, op_id, name, i))
             elif kind in (EXEC, COPY) and id(fn) in NOTHING:
                 add(pack(K_NOP, flags, 0, 0, 0, 0, value, op_id, name, i))
             elif kind in (EXEC, COPY):

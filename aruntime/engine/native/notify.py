@@ -65,6 +65,8 @@ class Notified:
         self._lock = threading.Lock()
         self._waits: dict[NativeSignal, list[tuple[int, int, Item]]] = {}
         self._armed: dict[NativeSignal, int] = {}
+        self.callbacks = 0
+        """How many callbacks (not waiters) are registered here and not run yet."""
         self.closed = False
         _live.add(self)
 
@@ -79,6 +81,8 @@ class Notified:
                 if heap is None:
                     heap = self._waits[sig] = []
                 heapq.heappush(heap, (value, next(_seq), item))
+                if callable(item):
+                    self.callbacks += 1
                 armed = self._armed.get(sig)
                 if armed is None or value < armed:
                     self._armed[sig] = value
@@ -103,7 +107,10 @@ class Notified:
                     if self._armed.get(sig, reached + 1) <= reached:
                         del self._armed[sig]  # fired (or about to be): native code disarmed it
                     while heap and heap[0][0] <= reached:
-                        ready.append((sig, heapq.heappop(heap)[2]))
+                        item = heapq.heappop(heap)[2]
+                        if callable(item):
+                            self.callbacks -= 1
+                        ready.append((sig, item))
                     if not heap:
                         del self._waits[sig]
                         self._armed.pop(sig, None)
@@ -122,6 +129,25 @@ class Notified:
                 return
             self._lib.ar_notifier_ack(self.slot)
 
+    def run_due(self, sig: NativeSignal) -> None:
+        """Resume or call, now, what waits here for values of ``sig`` already reached (on the consumer's thread)."""
+        ready: list[Item] = []
+        with self._lock:
+            heap = self._waits.get(sig)
+            reached = sig.value
+            while heap and heap[0][0] <= reached:
+                item = heapq.heappop(heap)[2]
+                if callable(item):
+                    self.callbacks -= 1
+                ready.append(item)
+            if heap is not None and not heap:
+                del self._waits[sig]
+                self._armed.pop(sig, None)
+        if ready and sig.retire is not None:
+            sig.retire()
+        for item in ready:
+            self._run(sig, item)
+
     def _run(self, sig: NativeSignal, item: Item) -> None:
         if callable(item):
             try:
@@ -139,6 +165,7 @@ class Notified:
             self.closed = True
             waits, self._waits = self._waits, {}
             self._armed = {}
+            self.callbacks = 0
         self._lib.ar_notifier_free(self.slot)
         self._close_fds()
         for sig, heap in waits.items():

@@ -13,6 +13,21 @@ from aruntime.engine.signal import TimelineSignal
 from aruntime.engine.wakeup import Waiter, asyncio_waker, trio_waker
 
 
+def _existing_notified() -> Notified | None:
+    """The running event loop's notified if it has one (None outside a loop, or before any native wait)."""
+    loop = asyncio._get_running_loop()
+    if loop is not None:
+        return asyncio_waker(loop).notified
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            trio.lowlevel.current_trio_token()
+        except RuntimeError:
+            return None
+        return trio_waker().notified
+    return None
+
+
 def current_notified() -> Notified:
     """The notified of the running event loop (asyncio or trio), else the callback thread's."""
     loop = asyncio._get_running_loop()
@@ -71,6 +86,12 @@ class NativeSignal(TimelineSignal):
         if self._lib.ar_sig_set(self.ptr, value):
             raise ValueError(f"{self.name}: timeline must increase (at {self.value}, asked to set {value})")
 
+    def catch_up(self) -> None:
+        """Run the due callbacks the calling thread's loop holds for this signal (see the base class)."""
+        notified = _existing_notified()
+        if notified is not None and notified.callbacks:
+            notified.run_due(self)
+
     def here(self) -> Notified:
         """The notified a callback registered from the calling thread runs on."""
         return current_notified()
@@ -101,6 +122,7 @@ class NativeSignal(TimelineSignal):
     async def wait_async(self, value: int, timeout: float | None = None) -> None:
         """Suspend the current task until ``value`` is reached: woken through the loop's notifier."""
         if self._v[0] >= value:
+            self.catch_up()
             return
         limit = self.timeout if timeout is None else timeout
         loop = asyncio._get_running_loop()
