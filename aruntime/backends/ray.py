@@ -1,0 +1,756 @@
+"""RAY devices: a device of any kind on another host, driven through a Ray actor.
+
+``Device["RAY:<host>/<device>"]`` opens ``<device>`` (``CPU``, ``CPU:1``, ...)
+inside a Ray actor on ``<host>``: ``any`` (wherever Ray places it), a node's
+IP address, or a node id (hex). The driver holds handles; the memory, the
+compiler and its cache, and the engines are the remote host's.
+
+How it maps onto the engine interface: each op of a RAY device becomes one
+call of its actor (a transfer between two RAY devices, one call on each). The
+driver numbers the calls of a device in the order their ops are handed to its
+engines, sends them in that order, and the actor submits them to its own
+device in that order, so the remote device's hazard tracking orders them
+exactly as the driver's did, without the driver waiting in between. A call's
+ObjectRef resolves on Ray's thread, which only queues it; a completion thread
+per device finishes the ops in order with ``Engine._complete``, which wakes
+awaiters on any event loop (asyncio, uvloop, trio) or thread.
+
+Transfers between two RAY devices go host to host through Ray's object store:
+the source actor exports (puts) the bytes, the destination actor imports them
+by ObjectRef; the driver only passes the reference along. A transfer between a
+RAY device and a local one moves the bytes through the driver, which is where
+the local device is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import ctypes
+import functools
+import itertools
+import os
+import pickle
+import queue
+import socket
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, NamedTuple
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from aruntime.allocator import BufferSpec, LRUAllocator
+from aruntime.buffer import Buffer
+from aruntime.device import BaseDevice, Device, Program, _indices, check_scalars
+from aruntime.dtype import DType, dtypes
+from aruntime.engine import COPY, EXEC, Command, Engine, Op
+from aruntime.errors import AllocationError, BufferUsageError, DependencyError, DeviceError, OpError, SignalTimeout
+from aruntime.events import DeviceEvent, RangeEvent, now_us, recorder
+from aruntime.helpers import after_all, canonicalize
+from aruntime.profile.align import Sample, estimate_offset
+from aruntime.signal import wait_registered
+
+INLINE_MAX = 100 << 10
+"""Exports up to this many bytes travel inside the call's result; bigger ones are put in the object store."""
+MAX_CONCURRENCY = 10_000
+"""Calls an actor runs at once (its ops; they wait for their turn, then for their op)."""
+
+
+class DeviceLost(OpError, DeviceError):
+    """An op failed because the Ray actor of the RAY device it ran on (or read from) died."""
+
+
+class RemoteHandle(NamedTuple):
+    """What the driver holds of remote memory: the remote buffer's id, and a byte range of it."""
+
+    id: int
+    offset: int
+    nbytes: int
+
+
+Failure = tuple[Any, ...]
+"""An error as it travels back from an actor (see :func:`_pack`)."""
+Result = tuple[Any, Failure | None, Sequence[tuple[str, float, float, bool]]]
+"""What an actor call returns: (value, failure or None, profile ranges (name, start µs, end µs, is_copy))."""
+
+
+def _pack(exc: BaseException) -> Failure:
+    """``exc`` as it can travel through Ray: the root cause of an op failure, rebuilt by :func:`_unpack`."""
+    if isinstance(exc, DependencyError):
+        return ("dependency", str(exc), exc.first)
+    if type(exc) is OpError and exc.__cause__ is not None:
+        exc = exc.__cause__
+    try:
+        pickle.dumps(exc)
+    except Exception:
+        return ("error", RuntimeError(f"{type(exc).__name__}: {exc}"))
+    return ("error", exc)
+
+
+def _unpack(failure: Failure) -> BaseException:
+    if failure[0] == "dependency":
+        return DependencyError(failure[1], failure[2])
+    error: BaseException = failure[1]
+    return error
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+# ---- the driver side ----------------------------------------------------------------------------------
+
+
+class RemoteProgram(Program):
+    """A kernel compiled on the remote host; launches name it by id."""
+
+    def __init__(self, device: BaseDevice, name: str, pid: int, outs: Sequence[int] | None) -> None:
+        super().__init__(device, name, b"", outs)
+        self.pid = pid
+
+
+class RemoteAllocator(LRUAllocator[RemoteHandle]):
+    """Remote memory, allocated and freed by calls of the device's actor (in order with its ops).
+
+    Freed handles are cached for reuse like any device's, so reusing a buffer costs no call.
+    """
+
+    def __init__(self, device: str) -> None:
+        super().__init__(device)
+        self.remote: RemoteDevice | None = None  # set by the device right after it makes its allocator
+        self._ids = itertools.count(1)
+        self.pending: dict[int, concurrent.futures.Future[Result]] = {}  # allocations not yet confirmed
+        self.failed: set[int] = set()
+
+    def _device(self) -> RemoteDevice:
+        assert self.remote is not None
+        return self.remote
+
+    def _alloc(self, size: int, spec: BufferSpec) -> RemoteHandle:
+        if spec.external_ptr is not None:
+            raise BufferUsageError(f"{self.device}: remote memory cannot wrap a local pointer")
+        hid = next(self._ids)
+        self.pending[hid] = self._device().call("alloc", (hid, size, spec))
+        return RemoteHandle(hid, 0, size)
+
+    def free(self, handle: RemoteHandle, size: int, spec: BufferSpec | None = None) -> None:
+        if handle.id in self.failed:  # never allocated remotely: nothing to keep or free
+            self.failed.discard(handle.id)
+            return
+        super().free(handle, size, spec)
+
+    def _free(self, handle: RemoteHandle, size: int, spec: BufferSpec) -> None:
+        self.pending.pop(handle.id, None)
+        dev = self._device()
+        if dev.lost is None:
+            dev.call("free", (handle.id,), answered=False)
+
+    def _offset(self, handle: RemoteHandle, size: int, offset: int) -> RemoteHandle:
+        return RemoteHandle(handle.id, handle.offset + offset, size)
+
+    def _copyin(self, dest: RemoteHandle, src: memoryview) -> None:
+        name = f"copyin {src.nbytes} B"
+        self._device().call_blocking("copyin", (dest, name, pickle.PickleBuffer(src.cast("B"))))
+
+    def _copyout(self, dest: memoryview, src: RemoteHandle) -> None:
+        payload = self._device().call_blocking("export", (src, f"copyout {src.nbytes} B"))
+        dest.cast("B")[:] = _materialize(payload)
+
+
+def _materialize(payload: Any) -> memoryview:
+    """The bytes of an export's payload: inline data, or ``[ref]`` of data put in the object store."""
+    if isinstance(payload, list):
+        payload = ray.get(payload[0])
+    return memoryview(payload).cast("B")
+
+
+def _host_view(address: int, nbytes: int) -> memoryview:
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+
+def _store_host(address: int, nbytes: int, payload: Any) -> None:
+    _host_view(address, nbytes)[:] = _materialize(payload)
+
+
+def _store_local(dev: BaseDevice, handle: Any, payload: Any) -> None:
+    dev.allocator._copyin(handle, _materialize(payload))
+
+
+def _no_copy(dst: int, src: int, nbytes: int) -> None:
+    """What a RAY device's copy commands name: its engines send them to the actor instead."""
+    raise NotImplementedError("a RAY device's copies run on its host")
+
+
+_LAUNCH = "launch"
+_TRANSFER = "transfer"
+
+
+class _Call:
+    """One op's actor calls, from being handed to its engine until it is complete."""
+
+    __slots__ = ("done", "error", "op", "store", "target")
+
+    def __init__(self, op: Op, target: RemoteDevice) -> None:
+        self.op = op
+        self.target = target  # the device whose actor's answer completes the op
+        self.store: Callable[[Any], None] | None = None  # what to do with the answer's value (a copy-out)
+        self.error: BaseException | None = None
+        self.done = False
+
+
+class RayEngine(Engine):
+    """One queue (compute or copy) of a RAY device; its ops become calls of the device's actor.
+
+    The driver's hazard tracking still decides when an op is handed over; the
+    wait commands it adds are dropped, because the remote device, which gets the
+    ops in the same order, orders them itself. Ops complete in order.
+    """
+
+    def __init__(self, device: RemoteDevice, kind: str, timeout: float) -> None:
+        super().__init__(device.name, kind, timeout)
+        self.remote = device
+        self.inflight: deque[_Call] = deque()  # in value order; completed from the head
+
+    def check_open(self, what: str) -> None:
+        lost = self.remote.lost
+        if lost is not None:
+            raise DeviceError(f"{what}: {self.remote.name} is lost ({lost}); close it and open it again")
+        super().check_open(what)
+
+    def _enqueue(self, cmds: list[Command], op: Op) -> None:
+        call = _Call(op, self.remote)
+        self.inflight.append(call)
+        try:
+            self._plan(cmds[-1], op, call)
+        except Exception as exc:  # nothing was sent for it
+            self.remote.finish(call, exc)
+
+    def _plan(self, cmd: Command, op: Op, call: _Call) -> None:
+        dev = self.remote
+        if cmd[0] == COPY:  # BaseDevice.copyin / copyout: between host memory and a remote buffer
+            _, name, _, dst, src, nbytes = cmd
+            if isinstance(dst, RemoteHandle):
+                dev.call("copyin", (dst, name, pickle.PickleBuffer(_host_view(src, nbytes))), call)
+            else:
+                call.store = partial(_store_host, dst, nbytes)
+                dev.call("export", (src, name), call)
+            return
+        _, name, action, args = cmd
+        if action == _LAUNCH:
+            dev.call("launch", (name, *args), call)
+            return
+        dst_dev, dst, src_dev, src = args
+        if dst_dev is src_dev:
+            dev.call("copy", (dst, src, name), call)
+        elif isinstance(dst_dev, RemoteDevice) and isinstance(src_dev, RemoteDevice):  # host to host
+            call.target = dst_dev
+            dst_seq = dst_dev.reserve()  # the import's place in the destination's order is taken now
+
+            def sent(ref: Any) -> None:
+                dst_dev.call("import", (dst, name, src_dev.name, ("ref", [ref])), call, dst_seq)
+
+            src_dev.call("export", (src, name), on_sent=sent, answered=False)
+        else:  # with a local device: through the driver, once every op it is ordered after is done
+            remote = dst_dev if isinstance(dst_dev, RemoteDevice) else src_dev
+            assert isinstance(remote, RemoteDevice)
+            seq = remote.reserve()
+            if remote is dst_dev:
+
+                def send() -> None:
+                    data = bytearray(dst.nbytes)
+                    src_dev.allocator._copyout(memoryview(data), src)
+                    remote.call("import", (dst, name, src_dev.name, ("data", pickle.PickleBuffer(data))), call, seq)
+
+            else:
+                call.store = partial(_store_local, dst_dev, dst)
+
+                def send() -> None:
+                    remote.call("export", (src, name), call, seq)
+
+            pending = [dep for dep in op.deps if not dep.done()]
+            if not pending:
+                send()
+                return
+            one_done = after_all(len(pending), partial(_send_guarded, remote, call, send))
+            for dep in pending:
+                dep.when_done(one_done)
+
+
+def _send_guarded(dev: RemoteDevice, call: _Call, send: Callable[[], None]) -> None:
+    try:
+        send()
+    except Exception as exc:
+        dev.finish(call, exc)
+
+
+class RemoteDevice(BaseDevice):
+    """A device of any kind on a Ray node, driven through an actor that owns it (see the module docstring)."""
+
+    kind = "RAY"
+    host_mapped = False
+    program_type = RemoteProgram
+    allocator_type = RemoteAllocator
+    allocator: RemoteAllocator
+    copy_fn = staticmethod(_no_copy)
+
+    def __init__(self, name: str) -> None:
+        _, _, rest = name.partition(":")
+        host, sep, inner = rest.partition("/")
+        if not (sep and host and inner):
+            raise DeviceError(
+                f"{name}: a RAY device is named RAY:<host>/<device>, e.g. RAY:any/CPU:1 "
+                "(host: any, a node's IP address or a node id)"
+            )
+        inner = canonicalize(inner)
+        if inner.partition(":")[0] == "RAY":
+            raise DeviceError(f"{name}: the remote device cannot itself be a RAY device")
+        self.inner = inner
+        """The name of the device the actor opened on its host."""
+        self.lost: str | None = None
+        """Why the device is lost (its actor died), or None."""
+        self._seq = itertools.count()
+        self._next_send = 0
+        self._ready: dict[int, Callable[[], None]] = {}
+        self._send_lock = threading.RLock()
+        self._answers: queue.SimpleQueue[tuple[_Call, Any] | None] = queue.SimpleQueue()
+        if not ray.is_initialized():
+            ray.init()
+        options: dict[str, Any] = {"max_concurrency": MAX_CONCURRENCY, "num_cpus": 0}
+        if host != "any":
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(_node_id(name, host), soft=False)
+        self.actor = _actor_class().options(**options).remote(inner, name)
+        try:
+            info, failure = ray.get(self.actor.host.remote(), timeout=60)
+        except Exception as exc:
+            ray.kill(self.actor)
+            raise DeviceError(f"{name}: its Ray actor did not start: {_first_line(exc)}") from exc
+        if failure is not None:
+            ray.kill(self.actor)
+            raise DeviceError(f"{name}: {inner} could not be opened on its host: {_unpack(failure)}")
+        self.host: dict[str, Any] = info
+        """Where the remote device is: the Ray node id, its IP address, host name and the actor's pid."""
+        super().__init__(name)
+        self.allocator.remote = self
+        self._completer = threading.Thread(target=self._complete_calls, name=f"{name} completions", daemon=True)
+        self._completer.start()
+
+    def _make_engine(self, kind: str, timeout: float) -> Engine:
+        return RayEngine(self, kind, timeout)
+
+    # ---- calls --------------------------------------------------------------------------------------
+
+    def reserve(self) -> int:
+        """The next place in this device's call order."""
+        return next(self._seq)
+
+    def call(
+        self,
+        step: str,
+        args: tuple[Any, ...],
+        call: _Call | None = None,
+        seq: int | None = None,
+        on_sent: Callable[[Any], None] | None = None,
+        answered: bool = True,
+    ) -> concurrent.futures.Future[Result]:
+        """Send the actor call ``step(*args)`` in its place ``seq`` of the order (default: the next), once
+        every earlier call is sent; ``call``'s op completes with its answer. Returns the answer's future
+        (left pending when not ``answered``: the answer is then never fetched to the driver)."""
+        if seq is None:
+            seq = next(self._seq)
+        answer: concurrent.futures.Future[Result] = concurrent.futures.Future()
+
+        def send() -> None:
+            try:
+                ref = self.actor.run.remote(seq, step, args, recorder.enabled)
+            except Exception as exc:
+                answer.set_exception(exc)
+                if call is not None:
+                    self.finish(call, exc)
+                return
+            if on_sent is not None:
+                on_sent(ref)
+            if not answered:
+                return
+            future = ref.future()
+            future.add_done_callback(partial(_relay, answer))
+            if call is not None:
+                answer.add_done_callback(partial(self._answer, call))
+
+        with self._send_lock:
+            self._ready[seq] = send
+            while self._next_send in self._ready:
+                ready = self._ready.pop(self._next_send)
+                self._next_send += 1
+                ready()
+        return answer
+
+    def call_blocking(self, step: str, args: tuple[Any, ...]) -> Any:
+        """:meth:`call`, waiting on this thread for the value; raises the remote error."""
+        value, failure, _ = self.call(step, args).result(self.timeout)
+        if failure is not None:
+            raise _unpack(failure)
+        return value
+
+    async def _wait(self, answer: concurrent.futures.Future[Any], what: str) -> Any:
+        """Wait for ``answer`` on any event loop; an actor that died raises :class:`DeviceError`."""
+        limit = self.timeout
+
+        def register(callback: Callable[[], None]) -> None:
+            answer.add_done_callback(lambda _: callback())
+
+        def late() -> BaseException:
+            return SignalTimeout(f"{what} on {self.name}: no answer from its actor within {limit:g} s")
+
+        await wait_registered(register, limit, late)
+        try:
+            return answer.result()
+        except ray.exceptions.RayActorError as exc:
+            self._mark_lost(exc)
+            raise DeviceError(f"{what}: {self.name} is lost ({self.lost})") from exc
+
+    def _mark_lost(self, exc: BaseException) -> None:
+        if self.lost is None:
+            self.lost = f"its Ray actor died: {_first_line(exc)}"
+
+    def _answer(self, call: _Call, answer: concurrent.futures.Future[Result]) -> None:
+        self._answers.put((call, answer))  # on Ray's thread: nothing more
+
+    def finish(self, call: _Call, error: BaseException) -> None:
+        """Complete ``call``'s op with ``error`` (in order with the other ops of its engine)."""
+        self._answers.put((call, error))
+
+    def _complete_calls(self) -> None:
+        while (item := self._answers.get()) is not None:
+            call, outcome = item
+            call.error = self._outcome(call, outcome)
+            call.done = True
+            engine = call.op.engine
+            assert isinstance(engine, RayEngine)
+            inflight = engine.inflight
+            while inflight and inflight[0].done:
+                done = inflight.popleft()
+                engine._complete(done.op, done.error)
+
+    def _outcome(self, call: _Call, outcome: Any) -> BaseException | None:
+        """The error ``call``'s op fails with, or None once its answer's value is stored."""
+        op = call.op
+        queue_name = op.engine.signal.name if op.engine is not None else self.name
+        if isinstance(outcome, BaseException):
+            return outcome
+        try:
+            value, failure, ranges = outcome.result()
+        except ray.exceptions.RayActorError as exc:
+            call.target._mark_lost(exc)
+            return DeviceLost(f"{op.name} failed on {queue_name}: {call.target.name} is lost ({call.target.lost})")
+        except Exception as exc:
+            return exc
+        if ranges and recorder.enabled:
+            device = call.target.name
+            recorder.events.extend(RangeEvent(device, name, s, e, copy, op.id) for name, s, e, copy in ranges)
+        if failure is not None:
+            error = _unpack(failure)
+            if isinstance(error, DeviceError) and not isinstance(error, OpError):
+                return DeviceLost(f"{op.name} failed on {queue_name}: {error}")
+            return error
+        if call.store is not None:
+            try:
+                call.store(value)
+            except Exception as exc:
+                return exc
+        return None
+
+    # ---- the device API -----------------------------------------------------------------------------
+
+    def _refuse_if_lost(self, what: str) -> None:
+        self.compute.check_open(what)
+
+    async def allocate(self, size: int, dtype: DType = dtypes.uint8, spec: BufferSpec | None = None) -> Buffer:
+        """A new buffer of ``size`` elements of ``dtype``, allocated on the remote host (waits for it there)."""
+        self._refuse_if_lost("allocate")
+        buf = Buffer(self.name, size, dtype, spec, preallocate=True)
+        hid = buf.handle.id
+        answer = self.allocator.pending.pop(hid, None)
+        if answer is not None:  # a new remote allocation, not a cached one
+            _, failure, _ = await self._wait(answer, "allocate")
+            if failure is not None:
+                self.allocator.failed.add(hid)
+                buf.deallocate()
+                raise _unpack(failure)
+        return buf
+
+    async def compile(self, src: str, name: str = "kernel", outs: Sequence[int] | None = None) -> Program:
+        """Send ``src`` to the remote host, which compiles it (its compiler and compile cache) and loads
+        kernel ``name``; launches then name the program, the source is not sent again."""
+        if not isinstance(src, str) or not isinstance(name, str):
+            raise TypeError("compile: src and name must be str")
+        if outs is not None:
+            outs = _indices(f"compile {name}", outs)
+        self._refuse_if_lost(f"compile {name}")
+        pid, failure = await self._wait(self.actor.compile.remote(src, name, outs).future(), f"compile {name}")
+        if failure is not None:
+            raise _unpack(failure)
+        return RemoteProgram(self, name, pid, outs)
+
+    def _submit(
+        self,
+        engine: Engine,
+        name: str,
+        body: list[Command],
+        reads: Sequence[Buffer],
+        writes: Sequence[Buffer],
+        keep: Any,
+        result: Any = None,
+        hold: bool = False,
+    ) -> Op:
+        # never held: an op waiting for another queue waits on the remote host, not in the driver
+        return super()._submit(engine, name, body, reads, writes, keep, result, False)
+
+    def launch(
+        self,
+        prog: Program,
+        *bufs: Buffer,
+        vals: Sequence[int | float] = (),
+        outs: Sequence[int] | None = None,
+        hold: bool = False,
+    ) -> Op:
+        """Run ``prog`` on the remote host (see :meth:`BaseDevice.launch`)."""
+        reads, writes = self._launch_access(prog, bufs, outs)
+        check_scalars(f"launch {prog.name}", vals)
+        assert isinstance(prog, RemoteProgram)
+        written = tuple(i for i, buf in enumerate(bufs) if any(buf is w for w in writes))
+        args = (prog.pid, tuple(b._handle for b in bufs), tuple(vals), written)
+        body: list[Command] = [(EXEC, prog.name, _LAUNCH, args)]
+        return self._submit(self.compute, prog.name, body, reads, writes, bufs)
+
+    def transfer(self, dst: Buffer, src: Buffer, hold: bool = False) -> Op:
+        """Copy ``src`` to ``dst`` where either is on this device and the other on any device.
+
+        Between two RAY devices the bytes go host to host through Ray's object
+        store; with a local device, through the driver. Runs on the source's copy
+        queue (on this device's when the source is local).
+        """
+        for buf in (src, dst):
+            if not isinstance(buf, Buffer):
+                raise BufferUsageError(f"transfer: expected a Buffer, got {type(buf).__name__}")
+        src_dev, dst_dev = src.owner, dst.owner
+        if self is not src_dev and self is not dst_dev:
+            raise BufferUsageError(f"transfer: neither {src!r} nor {dst!r} belongs to {self.name}")
+        src_handle = src_dev._check(src, "transfer")
+        dst_handle = dst_dev._check(dst, "transfer")
+        if dst.nbytes != src.nbytes:
+            raise BufferUsageError(f"transfer: {src!r} has {src.nbytes} bytes, {dst!r} has {dst.nbytes}")
+        name = f"transfer {src.nbytes} B {src_dev.name}->{dst_dev.name}"
+        engine = src_dev.copy if isinstance(src_dev, RemoteDevice) else self.copy
+        body: list[Command] = [(EXEC, name, _TRANSFER, (dst_dev, dst_handle, src_dev, src_handle))]
+        return self._submit(engine, name, body, (src,), (dst,), (src, dst))
+
+    def finalize_profile(self) -> DeviceEvent:
+        """The offset of the remote host's clock against the driver's, from paired samples of the actor's clock."""
+
+        def sample() -> Sample:
+            before = now_us()
+            stamp = ray.get(self.actor.clock.remote(), timeout=5)
+            return (before, stamp, now_us())
+
+        offset = estimate_offset(sample)
+        return DeviceEvent(self.name, offset, offset)
+
+    def close(self) -> None:
+        """Wait for the work submitted so far, stop the engines, forget the device and end its actor (the
+        remote memory goes with it)."""
+        super().close()
+        self._answers.put(None)
+        self._completer.join()
+        self.lost = self.lost or "it was closed"
+        ray.kill(self.actor)
+
+
+def _relay(answer: concurrent.futures.Future[Result], future: concurrent.futures.Future[Result]) -> None:
+    """Pass an ObjectRef's outcome on (on Ray's thread)."""
+    exc = future.exception()
+    if exc is not None:
+        answer.set_exception(exc)
+    else:
+        answer.set_result(future.result())
+
+
+def _node_id(name: str, host: str) -> str:
+    """The id of the live Ray node ``host`` names (its id or its IP address or host name)."""
+    alive = [node for node in ray.nodes() if node.get("Alive")]  # type: ignore[no-untyped-call]
+    for node in alive:
+        if host in (node.get("NodeID"), node.get("NodeManagerAddress"), node.get("NodeManagerHostname")):
+            return str(node["NodeID"])
+    known = ", ".join(f"{n.get('NodeManagerAddress')} ({n.get('NodeID')})" for n in alive)
+    raise DeviceError(f"{name}: no live Ray node is {host!r}; live nodes: {known or 'none'}")
+
+
+# ---- the actor side -----------------------------------------------------------------------------------
+
+
+class HostActor:
+    """Runs on the remote host: owns a real device and submits the driver's ops to it in the driver's order."""
+
+    def __init__(self, inner: str, remote: str) -> None:
+        self.remote = remote
+        self.error: Failure | None = None
+        try:
+            self.dev = Device[inner]
+        except Exception as exc:
+            self.error = _pack(exc)
+        self.bufs: dict[int, Buffer] = {}
+        self.views: dict[RemoteHandle, Buffer] = {}
+        self.bad: dict[int, BaseException] = {}
+        self.progs: dict[int, Program] = {}
+        self.prog_ids = itertools.count()
+        self.turn = 0
+        self.waiting: dict[int, asyncio.Future[None]] = {}
+        self.recorded: dict[int, list[tuple[str, float, float, bool]]] = {}
+
+    async def host(self) -> tuple[dict[str, Any], Failure | None]:
+        """Where this actor runs, and the error that kept its device from opening."""
+        context = ray.get_runtime_context()
+        info = {
+            "node": context.get_node_id(),
+            "address": ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+        }
+        return info, self.error
+
+    async def clock(self) -> float:
+        """This host's clock, in µs (what its ranges are stamped with)."""
+        return now_us()
+
+    async def compile(self, src: str, name: str, outs: Sequence[int] | None) -> tuple[int | None, Failure | None]:
+        """Compile and load a kernel; its id for launches."""
+        try:
+            prog = await self.dev.compile(src, name, outs)
+        except Exception as exc:
+            return None, _pack(exc)
+        pid = next(self.prog_ids)
+        self.progs[pid] = prog
+        return pid, None
+
+    async def run(self, seq: int, step: str, args: tuple[Any, ...], profiling: bool) -> Result:
+        """Submit call number ``seq`` to the device once every earlier one is, and answer when it is done."""
+        if seq != self.turn:
+            turn = asyncio.get_running_loop().create_future()
+            self.waiting[seq] = turn
+            await turn
+        op: Op | None = None
+        try:
+            recorder.enabled = profiling
+            try:
+                op, finish = getattr(self, f"_{step}")(*args)
+            finally:
+                self.turn += 1
+                following = self.waiting.pop(self.turn, None)
+                if following is not None:
+                    following.set_result(None)
+            if op is not None:
+                await op
+            return (None if finish is None else finish(), None, self._ranges(op, profiling))
+        except Exception as exc:
+            return (None, _pack(exc), self._ranges(op, profiling))
+
+    def _ranges(self, op: Op | None, profiling: bool) -> Sequence[tuple[str, float, float, bool]]:
+        if not profiling or op is None:
+            return ()
+        events = recorder.events
+        for ev in events:
+            if isinstance(ev, RangeEvent):
+                self.recorded.setdefault(ev.op, []).append((ev.name, ev.start, ev.end, ev.is_copy))
+        events.clear()  # this process records only for the driver
+        return self.recorded.pop(op.id, ())
+
+    def _view(self, h: RemoteHandle) -> Buffer:
+        root = self.bufs.get(h.id)
+        if root is None:
+            raise self.bad.get(h.id) or BufferUsageError(f"{self.remote}: no remote buffer {h.id}")
+        if h.offset == 0 and h.nbytes == root.nbytes:
+            return root
+        view = self.views.get(h)
+        if view is None:
+            view = self.views[h] = root.view(h.nbytes, dtypes.uint8, h.offset)
+            view.handle  # noqa: B018  # its handle now, on this thread
+        return view
+
+    Step = tuple[Op | None, Callable[[], Any] | None]
+
+    def _alloc(self, hid: int, nbytes: int, spec: BufferSpec) -> Step:
+        try:
+            self.bufs[hid] = Buffer(self.dev.name, nbytes, dtypes.uint8, spec, preallocate=True)
+        except AllocationError:
+            error = AllocationError(f"{self.remote}: out of memory allocating {nbytes} bytes")
+            self.bad[hid] = error
+            raise error from None
+        return None, None
+
+    def _free(self, hid: int) -> Step:
+        self.bad.pop(hid, None)
+        for h in [h for h in self.views if h.id == hid]:
+            del self.views[h]
+        root = self.bufs.pop(hid, None)
+        if root is not None:
+            root.deallocate()  # the remote device releases it once its own ops on it are done
+        return None, None
+
+    def _copyin(self, h: RemoteHandle, name: str, data: Any) -> Step:
+        return self.dev.copyin(self._view(h), data), None
+
+    def _launch(self, name: str, pid: int, handles: tuple[RemoteHandle, ...], vals: tuple[Any, ...], outs: Any) -> Step:
+        prog = self.progs[pid]
+        return self.dev.launch(prog, *map(self._view, handles), vals=vals, outs=outs), None
+
+    def _copy(self, dst: RemoteHandle, src: RemoteHandle, name: str) -> Step:
+        d, s = self._view(dst), self._view(src)
+        body: list[Command] = [(COPY, name, self.dev.copy_fn, d.handle, s.handle, s.nbytes)]
+        return self.dev._submit(self.dev.copy, name, body, (s,), (d,), (s, d)), None
+
+    def _export(self, h: RemoteHandle, name: str) -> Step:
+        view = self._view(h)
+        box: list[Any] = []
+        body: list[Command] = [(EXEC, name, _export, (view.allocator, view.handle, view.nbytes, box))]
+        return self.dev._submit(self.dev.copy, name, body, (view,), (), (view, box)), lambda: box[0]
+
+    def _import(self, h: RemoteHandle, name: str, source: str, src: tuple[str, Any]) -> Step:
+        view = self._view(h)
+        body: list[Command] = [(EXEC, name, _import, (view.allocator, view.handle, source, src))]
+        return self.dev._submit(self.dev.copy, name, body, (), (view,), (view, src)), None
+
+
+def _export(allocator: Any, handle: Any, nbytes: int, box: list[Any]) -> None:
+    """(On the remote device's copy queue) the bytes of a buffer: inline if small, else put in the object store."""
+    as_buffer = getattr(allocator, "_as_buffer", None)
+    if nbytes > INLINE_MAX and as_buffer is not None:
+        box.append([ray.put(pickle.PickleBuffer(as_buffer(handle, nbytes)))])  # one copy, into the store
+        return
+    data = bytearray(nbytes)
+    allocator._copyout(memoryview(data), handle)
+    box.append(data if nbytes <= INLINE_MAX else [ray.put(pickle.PickleBuffer(data))])
+
+
+def _import(allocator: Any, handle: Any, source: str, src: tuple[str, Any]) -> None:
+    """(On the remote device's copy queue) write what an export or the driver sent into a buffer."""
+    kind, payload = src
+    if kind == "ref":
+        try:
+            value, failure, _ = ray.get(payload[0])
+        except ray.exceptions.RayError as exc:
+            raise DeviceError(f"{source} is lost ({_first_line(exc)})") from None
+        if failure is not None:
+            raise _unpack(failure)
+        payload = value
+    allocator._copyin(handle, _materialize(payload))
+
+
+@functools.cache
+def _actor_class() -> Any:
+    return ray.remote(HostActor)
+
+
+device_class = RemoteDevice
+"""The class the registry opens for this kind."""
