@@ -97,6 +97,11 @@ def _unpack(failure: Failure) -> BaseException:
     return error
 
 
+def _decode(answer: Any) -> Result:
+    """An actor call's answer, unpickled where the actor pickled it."""
+    return pickle.loads(answer) if isinstance(answer, bytes) else answer  # type: ignore[no-any-return]
+
+
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
@@ -153,7 +158,7 @@ class RemoteAllocator(LRUAllocator[RemoteHandle]):
 
     def _copyin(self, dest: RemoteHandle, src: memoryview) -> None:
         name = f"copyin {src.nbytes} B"
-        self._device().call_blocking("copyin", (dest, name, pickle.PickleBuffer(src.cast("B"))))
+        self._device().call_blocking("copyin", (dest, name), pickle.PickleBuffer(src.cast("B")))
 
     def _copyout(self, dest: memoryview, src: RemoteHandle) -> None:
         payload = self._device().call_blocking("export", (src, f"copyout {src.nbytes} B"))
@@ -233,7 +238,7 @@ class RayEngine(Engine):
         if cmd[0] == COPY:  # BaseDevice.copyin / copyout: between host memory and a remote buffer
             _, name, _, dst, src, nbytes = cmd
             if isinstance(dst, RemoteHandle):
-                dev.call("copyin", (dst, name, pickle.PickleBuffer(_host_view(src, nbytes))), call)
+                dev.call("copyin", (dst, name), call, data=pickle.PickleBuffer(_host_view(src, nbytes)))
             else:
                 call.store = partial(_store_host, dst, nbytes)
                 dev.call("export", (src, name), call)
@@ -250,7 +255,7 @@ class RayEngine(Engine):
             dst_seq = dst_dev.reserve()  # the import's place in the destination's order is taken now
 
             def sent(ref: Any) -> None:
-                dst_dev.call("import", (dst, name, src_dev.name, ("ref", [ref])), call, dst_seq)
+                dst_dev.call("import", (dst, name, src_dev.name, "ref"), call, dst_seq, data=[ref])
 
             src_dev.call("export", (src, name), on_sent=sent, answered=False)
         else:  # with a local device: through the driver, once every op it is ordered after is done
@@ -262,7 +267,8 @@ class RayEngine(Engine):
                 def send() -> None:
                     data = bytearray(dst.nbytes)
                     src_dev.allocator._copyout(memoryview(data), src)
-                    remote.call("import", (dst, name, src_dev.name, ("data", pickle.PickleBuffer(data))), call, seq)
+                    args = (dst, name, src_dev.name, "data")
+                    remote.call("import", args, call, seq, data=pickle.PickleBuffer(data))
 
             else:
                 call.store = partial(_store_local, dst_dev, dst)
@@ -354,17 +360,21 @@ class RemoteDevice(BaseDevice):
         seq: int | None = None,
         on_sent: Callable[[Any], None] | None = None,
         answered: bool = True,
+        data: Any = None,
     ) -> concurrent.futures.Future[Result]:
         """Send the actor call ``step(*args)`` in its place ``seq`` of the order (default: the next), once
-        every earlier call is sent; ``call``'s op completes with its answer. Returns the answer's future
-        (left pending when not ``answered``: the answer is then never fetched to the driver)."""
+        every earlier call is sent; ``call``'s op completes with its answer. Without a ``call``, returns the
+        answer's future (left pending when not ``answered``: the answer is then never fetched to the driver).
+        ``data`` (bytes to copy in, or an export's ObjectRef in a list) travels as its own argument; the rest
+        is pickled into one bytes header, the cheapest argument Ray passes."""
         if seq is None:
             seq = next(self._seq)
         answer: concurrent.futures.Future[Result] = concurrent.futures.Future()
 
         def send() -> None:
             try:
-                ref = self.actor.run.remote(seq, step, args, recorder.enabled)
+                header = pickle.dumps((seq, step, args, recorder.enabled), protocol=pickle.HIGHEST_PROTOCOL)
+                ref = self.actor.run.remote(header) if data is None else self.actor.run.remote(header, data)
             except Exception as exc:
                 answer.set_exception(exc)
                 if call is not None:
@@ -372,12 +382,10 @@ class RemoteDevice(BaseDevice):
                 return
             if on_sent is not None:
                 on_sent(ref)
-            if not answered:
-                return
-            future = ref.future()
-            future.add_done_callback(partial(_relay, answer))
             if call is not None:
-                answer.add_done_callback(partial(self._answer, call))
+                ref.future().add_done_callback(partial(self._answer, call))
+            elif answered:
+                ref.future().add_done_callback(partial(_relay, answer))
 
         with self._send_lock:
             self._ready[seq] = send
@@ -387,9 +395,9 @@ class RemoteDevice(BaseDevice):
                 ready()
         return answer
 
-    def call_blocking(self, step: str, args: tuple[Any, ...]) -> Any:
+    def call_blocking(self, step: str, args: tuple[Any, ...], data: Any = None) -> Any:
         """:meth:`call`, waiting on this thread for the value; raises the remote error."""
-        value, failure, _ = self.call(step, args).result(self.timeout)
+        value, failure, _ = _decode(self.call(step, args, data=data).result(self.timeout))
         if failure is not None:
             raise _unpack(failure)
         return value
@@ -415,7 +423,7 @@ class RemoteDevice(BaseDevice):
         if self.lost is None:
             self.lost = f"its Ray actor died: {_first_line(exc)}"
 
-    def _answer(self, call: _Call, answer: concurrent.futures.Future[Result]) -> None:
+    def _answer(self, call: _Call, answer: concurrent.futures.Future[Any]) -> None:
         self._answers.put((call, answer))  # on Ray's thread: nothing more
 
     def finish(self, call: _Call, error: BaseException) -> None:
@@ -441,7 +449,7 @@ class RemoteDevice(BaseDevice):
         if isinstance(outcome, BaseException):
             return outcome
         try:
-            value, failure, ranges = outcome.result()
+            value, failure, ranges = _decode(outcome.result())
         except ray.exceptions.RayActorError as exc:
             call.target._mark_lost(exc)
             return DeviceLost(f"{op.name} failed on {queue_name}: {call.target.name} is lost ({call.target.lost})")
@@ -474,7 +482,7 @@ class RemoteDevice(BaseDevice):
         hid = buf.handle.id
         answer = self.allocator.pending.pop(hid, None)
         if answer is not None:  # a new remote allocation, not a cached one
-            _, failure, _ = await self._wait(answer, "allocate")
+            _, failure, _ = _decode(await self._wait(answer, "allocate"))
             if failure is not None:
                 self.allocator.failed.add(hid)
                 buf.deallocate()
@@ -634,8 +642,18 @@ class HostActor:
         self.progs[pid] = prog
         return pid, None
 
-    async def run(self, seq: int, step: str, args: tuple[Any, ...], profiling: bool) -> Result:
-        """Submit call number ``seq`` to the device once every earlier one is, and answer when it is done."""
+    async def run(self, header: bytes, data: Any = None) -> Any:
+        """Submit call number ``seq`` to the device once every earlier one is, and answer when it is done.
+
+        The answer is pickled into bytes (the cheapest result Ray returns) unless it holds an ObjectRef.
+        """
+        seq, step, args, profiling = pickle.loads(header)
+        if data is not None:
+            args = (*args, data)
+        answer = await self._run(seq, step, args, profiling)
+        return answer if isinstance(answer[0], list) else pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
+
+    async def _run(self, seq: int, step: str, args: tuple[Any, ...], profiling: bool) -> Result:
         if seq != self.turn:
             turn = asyncio.get_running_loop().create_future()
             self.waiting[seq] = turn
@@ -716,8 +734,9 @@ class HostActor:
         body: list[Command] = [(EXEC, name, _export, (view.allocator, view.handle, view.nbytes, box))]
         return self.dev._submit(self.dev.copy, name, body, (view,), (), (view, box)), lambda: box[0]
 
-    def _import(self, h: RemoteHandle, name: str, source: str, src: tuple[str, Any]) -> Step:
+    def _import(self, h: RemoteHandle, name: str, source: str, kind: str, data: Any) -> Step:
         view = self._view(h)
+        src = (kind, data)
         body: list[Command] = [(EXEC, name, _import, (view.allocator, view.handle, source, src))]
         return self.dev._submit(self.dev.copy, name, body, (), (view,), (view, src)), None
 
@@ -738,7 +757,7 @@ def _import(allocator: Any, handle: Any, source: str, src: tuple[str, Any]) -> N
     kind, payload = src
     if kind == "ref":
         try:
-            value, failure, _ = ray.get(payload[0])
+            value, failure, _ = _decode(ray.get(payload[0]))
         except ray.exceptions.RayError as exc:
             raise DeviceError(f"{source} is lost ({_first_line(exc)})") from None
         if failure is not None:
