@@ -20,6 +20,7 @@ from aruntime import (  # noqa: E402
     DependencyError,
     Device,
     DeviceError,
+    OpError,
     dtypes,
 )
 from aruntime.backends.ray import DeviceLost, RemoteDevice  # noqa: E402
@@ -243,3 +244,16 @@ def test_the_blocking_buffer_api_and_a_host_named_by_its_address() -> None:
     assert bytes(buf.as_buffer()) == b"ping"
     buf.deallocate()
     dev.close()
+
+
+async def test_a_graph_replay_on_a_remote_device_fails_clearly() -> None:
+    from aruntime.graph import Graph
+
+    dev = Device["RAY:any/CPU:1"]
+    buf = await dev.allocate(4)
+    graph = Graph()
+    graph.copyin(buf, "data")
+    graph.copyout(buf, "out")
+    with anyio.fail_after(10), pytest.raises(OpError, match=r"RAY:any/CPU:1 runs the ops of its own methods only"):
+        await graph.replay(data=b"abcd")
+    await dev.free(buf)

@@ -46,7 +46,7 @@ from aruntime.allocator import BufferSpec, LRUAllocator
 from aruntime.buffer import Buffer
 from aruntime.device import BaseDevice, Device, Program, _indices, check_scalars
 from aruntime.dtype import DType, dtypes
-from aruntime.engine import COPY, EXEC, Command, Engine, Op
+from aruntime.engine import COPY, EXEC, SIGNAL, WAIT, Command, Engine, Op
 from aruntime.errors import AllocationError, BufferUsageError, DependencyError, DeviceError, OpError, SignalTimeout
 from aruntime.events import DeviceEvent, RangeEvent, now_us, recorder
 from aruntime.helpers import after_all, canonicalize
@@ -228,8 +228,14 @@ class RayEngine(Engine):
     def _enqueue(self, cmds: list[Command], op: Op) -> None:
         call = _Call(op, self.remote)
         self.inflight.append(call)
+        own = [cmd for cmd in cmds if cmd[0] != WAIT]
         try:
-            self._plan(cmds[-1], op, call)
+            if len(own) != 1 or (own[0][0] == EXEC and own[0][2] not in (_LAUNCH, _TRANSFER)):
+                for cmd in own:  # engines waiting on this queue's signals go on, and find the op failed
+                    if cmd[0] == SIGNAL:
+                        cmd[1].set(cmd[2])
+                raise DeviceError(f"{op.name}: {self.remote.name} runs the ops of its own methods only (no graphs)")
+            self._plan(own[0], op, call)
         except Exception as exc:  # nothing was sent for it
             self.remote.finish(call, exc)
 
