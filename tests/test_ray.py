@@ -27,7 +27,7 @@ from aruntime.backends.ray import DeviceLost, RemoteDevice  # noqa: E402
 from aruntime.events import DeviceEvent, RangeEvent  # noqa: E402
 from aruntime.profile import profile  # noqa: E402
 from aruntime.scheduler import Scheduler  # noqa: E402
-from tests.kernels import ADD_ONE, SCALE  # noqa: E402
+from tests.kernels import ADD_ONE, SCALE, Failing  # noqa: E402
 
 pytestmark = pytest.mark.anyio
 
@@ -172,6 +172,21 @@ async def test_transfers_between_remote_and_local_devices_both_ways() -> None:
     assert bytes(await r1.copyout(a)) == bytes((x + 1) & 255 for x in data)
     await r1.free(a)
     await local.free(b)
+
+
+async def test_a_transfer_from_a_failed_local_write_fails_and_the_remote_device_goes_on() -> None:
+    r1, local = Device["RAY:any/CPU:1"], Device["CPU"]
+    a, b = await local.allocate(8), await r1.allocate(8)
+    local.launch(Failing(local, "producer", b""), a)
+    moved = local.transfer(b, a)
+    with pytest.raises(DependencyError, match="depends on producer, which failed"):
+        await moved
+    r1.copyin(b, b"12345678")  # the call order on the remote device has no gap where the transfer was
+    assert bytes(await r1.copyout(b)) == b"12345678"
+    with pytest.raises(OpError, match="producer"):
+        await local.synchronize()
+    await local.free(a)
+    await r1.free(b)
 
 
 async def test_a_killed_actor_fails_its_ops_refuses_new_ones_and_others_keep_working() -> None:

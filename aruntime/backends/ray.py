@@ -46,7 +46,7 @@ from aruntime.allocator import BufferSpec, LRUAllocator
 from aruntime.buffer import Buffer
 from aruntime.device import BaseDevice, Device, Program, _indices, check_scalars
 from aruntime.dtype import DType, dtypes
-from aruntime.engine import COPY, EXEC, SIGNAL, WAIT, Command, Engine, Op
+from aruntime.engine import COPY, EXEC, SIGNAL, WAIT, Command, Engine, Op, check_deps
 from aruntime.errors import AllocationError, BufferUsageError, DependencyError, DeviceError, OpError, SignalTimeout
 from aruntime.events import DeviceEvent, RangeEvent, now_us, recorder
 from aruntime.helpers import after_all, canonicalize
@@ -253,7 +253,7 @@ class RayEngine(Engine):
         if action == _LAUNCH:
             dev.call("launch", (name, *args), call)
             return
-        dst_dev, dst, src_dev, src = args
+        dst_dev, dst, src_dev, src, writers = args
         if dst_dev is src_dev:
             dev.call("copy", (dst, src, name), call)
         elif isinstance(dst_dev, RemoteDevice) and isinstance(src_dev, RemoteDevice):  # host to host
@@ -264,25 +264,32 @@ class RayEngine(Engine):
                 dst_dev.call("import", (dst, name, src_dev.name, "ref"), call, dst_seq, data=[ref])
 
             src_dev.call("export", (src, name), on_sent=sent, answered=False)
-        else:  # with a local device: through the driver, once every op it is ordered after is done
+        else:  # with a local device: through the driver, once the local bytes are ready
             remote = dst_dev if isinstance(dst_dev, RemoteDevice) else src_dev
             assert isinstance(remote, RemoteDevice)
             seq = remote.reserve()
-            if remote is dst_dev:
+            if remote is dst_dev:  # the driver reads the source once the ops that write it are done
+                pending = [dep for dep in writers if not dep.done()]
 
                 def send() -> None:
-                    data = bytearray(dst.nbytes)
-                    src_dev.allocator._copyout(memoryview(data), src)
+                    try:
+                        check_deps(op)
+                        data = bytearray(dst.nbytes)
+                        src_dev.allocator._copyout(memoryview(data), src)
+                    except Exception:
+                        remote.call("skip", (), seq=seq, answered=False)  # its place in the order is passed on
+                        raise
                     args = (dst, name, src_dev.name, "data")
                     remote.call("import", args, call, seq, data=pickle.PickleBuffer(data))
 
-            else:
+            else:  # the remote device orders the export after its own ops; the driver waits for the others
+                own = (remote.compute, remote.copy)
+                pending = [dep for dep in op.deps if not dep.done() and dep.engine not in own]
                 call.store = partial(_store_local, dst_dev, dst)
 
                 def send() -> None:
                     remote.call("export", (src, name), call, seq)
 
-            pending = [dep for dep in op.deps if not dep.done()]
             if not pending:
                 send()
                 return
@@ -326,7 +333,8 @@ class RemoteDevice(BaseDevice):
         self._seq = itertools.count()
         self._next_send = 0
         self._ready: dict[int, Callable[[], None]] = {}
-        self._send_lock = threading.RLock()
+        self._send_lock = threading.Lock()
+        self._sending = False
         self._answers: queue.SimpleQueue[tuple[_Call, Any] | None] = queue.SimpleQueue()
         if not ray.is_initialized():
             ray.init()
@@ -395,11 +403,17 @@ class RemoteDevice(BaseDevice):
 
         with self._send_lock:
             self._ready[seq] = send
-            while self._next_send in self._ready:
-                ready = self._ready.pop(self._next_send)
+            if self._sending:  # the thread that is sending sends this one too, in its turn
+                return answer
+            self._sending = True
+        while True:  # send what is ready, in order, without holding the lock (a send may post to another device)
+            with self._send_lock:
+                ready = self._ready.pop(self._next_send, None)
+                if ready is None:
+                    self._sending = False
+                    return answer
                 self._next_send += 1
-                ready()
-        return answer
+            ready()
 
     def call_blocking(self, step: str, args: tuple[Any, ...], data: Any = None) -> Any:
         """:meth:`call`, waiting on this thread for the value; raises the remote error."""
@@ -558,7 +572,11 @@ class RemoteDevice(BaseDevice):
             raise BufferUsageError(f"transfer: {src!r} has {src.nbytes} bytes, {dst!r} has {dst.nbytes}")
         name = f"transfer {src.nbytes} B {src_dev.name}->{dst_dev.name}"
         engine = src_dev.copy if isinstance(src_dev, RemoteDevice) else self.copy
-        body: list[Command] = [(EXEC, name, _TRANSFER, (dst_dev, dst_handle, src_dev, src_handle))]
+        writers: tuple[Op, ...] = ()  # a local source is read in the driver: after the ops writing it now
+        if not isinstance(src_dev, RemoteDevice):
+            start, end = src.offset, src.offset + src.nbytes
+            writers = tuple(o for s, e, w, o in src.log.entries if w and s < end and start < e and not o.done())
+        body: list[Command] = [(EXEC, name, _TRANSFER, (dst_dev, dst_handle, src_dev, src_handle, writers))]
         return self._submit(engine, name, body, (src,), (dst,), (src, dst))
 
     def finalize_profile(self) -> DeviceEvent:
@@ -711,6 +729,9 @@ class HostActor:
             error = AllocationError(f"{self.remote}: out of memory allocating {nbytes} bytes")
             self.bad[hid] = error
             raise error from None
+        return None, None
+
+    def _skip(self) -> Step:
         return None, None
 
     def _free(self, hid: int) -> Step:
