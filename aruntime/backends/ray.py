@@ -97,8 +97,14 @@ def _unpack(failure: Failure) -> BaseException:
     return error
 
 
+_DONE: Result = (None, None, ())
+"""The answer of a call that succeeded with nothing to return (it travels as None, the cheapest result)."""
+
+
 def _decode(answer: Any) -> Result:
     """An actor call's answer, unpickled where the actor pickled it."""
+    if answer is None:
+        return _DONE
     return pickle.loads(answer) if isinstance(answer, bytes) else answer  # type: ignore[no-any-return]
 
 
@@ -128,7 +134,6 @@ class RemoteAllocator(LRUAllocator[RemoteHandle]):
         self.remote: RemoteDevice | None = None  # set by the device right after it makes its allocator
         self._ids = itertools.count(1)
         self.pending: dict[int, concurrent.futures.Future[Result]] = {}  # allocations not yet confirmed
-        self.failed: set[int] = set()
 
     def _device(self) -> RemoteDevice:
         assert self.remote is not None
@@ -141,9 +146,19 @@ class RemoteAllocator(LRUAllocator[RemoteHandle]):
         self.pending[hid] = self._device().call("alloc", (hid, size, spec))
         return RemoteHandle(hid, 0, size)
 
+    def failed(self, hid: int) -> BaseException | None:
+        """Why the remote allocation of handle ``hid`` failed, once its answer says it did."""
+        answer = self.pending.get(hid)
+        if answer is None or not answer.done():
+            return None
+        if answer.exception() is not None:
+            return answer.exception()
+        failure = _decode(answer.result())[1]
+        return None if failure is None else _unpack(failure)
+
     def free(self, handle: RemoteHandle, size: int, spec: BufferSpec | None = None) -> None:
-        if handle.id in self.failed:  # never allocated remotely: nothing to keep or free
-            self.failed.discard(handle.id)
+        if self.failed(handle.id) is not None:  # never allocated remotely: nothing to keep for reuse or free
+            del self.pending[handle.id]
             return
         super().free(handle, size, spec)
 
@@ -342,6 +357,7 @@ class RemoteDevice(BaseDevice):
         if host != "any":
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(_node_id(name, host), soft=False)
         self.actor = _actor_class().options(**options).remote(inner, name)
+        self._run = self.actor.run
         try:
             info, failure = ray.get(self.actor.host.remote(), timeout=60)
         except Exception as exc:
@@ -388,7 +404,7 @@ class RemoteDevice(BaseDevice):
         def send() -> None:
             try:
                 header = pickle.dumps((seq, step, args, recorder.enabled), protocol=pickle.HIGHEST_PROTOCOL)
-                ref = self.actor.run.remote(header) if data is None else self.actor.run.remote(header, data)
+                ref = self._run.remote(header) if data is None else self._run.remote(header, data)
             except Exception as exc:
                 answer.set_exception(exc)
                 if call is not None:
@@ -500,13 +516,14 @@ class RemoteDevice(BaseDevice):
         self._refuse_if_lost("allocate")
         buf = Buffer(self.name, size, dtype, spec, preallocate=True)
         hid = buf.handle.id
-        answer = self.allocator.pending.pop(hid, None)
+        answer = self.allocator.pending.get(hid)
         if answer is not None:  # a new remote allocation, not a cached one
-            _, failure, _ = _decode(await self._wait(answer, "allocate"))
-            if failure is not None:
-                self.allocator.failed.add(hid)
-                buf.deallocate()
-                raise _unpack(failure)
+            await self._wait(answer, "allocate")
+            error = self.allocator.failed(hid)
+            if error is not None:
+                buf.deallocate()  # drops the handle
+                raise error
+            del self.allocator.pending[hid]
         return buf
 
     async def compile(self, src: str, name: str = "kernel", outs: Sequence[int] | None = None) -> Program:
@@ -669,12 +686,15 @@ class HostActor:
     async def run(self, header: bytes, data: Any = None) -> Any:
         """Submit call number ``seq`` to the device once every earlier one is, and answer when it is done.
 
-        The answer is pickled into bytes (the cheapest result Ray returns) unless it holds an ObjectRef.
+        The answer is None when there is nothing to say, else pickled into bytes (cheaper for Ray than a
+        tuple) unless it holds an ObjectRef.
         """
         seq, step, args, profiling = pickle.loads(header)
         if data is not None:
             args = (*args, data)
         answer = await self._run(seq, step, args, profiling)
+        if answer == _DONE:
+            return None
         return answer if isinstance(answer[0], list) else pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
 
     async def _run(self, seq: int, step: str, args: tuple[Any, ...], profiling: bool) -> Result:
