@@ -313,6 +313,14 @@ class RayEngine(Engine):
                 dep.when_done(one_done)
 
 
+def _owner(call: _Call) -> RemoteDevice:
+    """The device whose completion thread completes ``call``'s op: its engine's (a transfer between two RAY
+    devices is answered by the destination but belongs to the source's copy queue)."""
+    engine = call.op.engine
+    assert isinstance(engine, RayEngine)
+    return engine.remote
+
+
 def _send_guarded(dev: RemoteDevice, call: _Call, send: Callable[[], None]) -> None:
     try:
         send()
@@ -413,7 +421,7 @@ class RemoteDevice(BaseDevice):
             if on_sent is not None:
                 on_sent(ref)
             if call is not None:
-                ref.future().add_done_callback(partial(self._answer, call))
+                ref.future().add_done_callback(partial(RemoteDevice._answer, call))
             elif answered:
                 ref.future().add_done_callback(partial(_relay, answer))
 
@@ -459,12 +467,14 @@ class RemoteDevice(BaseDevice):
         if self.lost is None:
             self.lost = f"its Ray actor died: {_first_line(exc)}"
 
-    def _answer(self, call: _Call, answer: concurrent.futures.Future[Any]) -> None:
-        self._answers.put((call, answer))  # on Ray's thread: nothing more
+    @staticmethod
+    def _answer(call: _Call, answer: concurrent.futures.Future[Any]) -> None:
+        _owner(call)._answers.put((call, answer))  # on Ray's thread: nothing more
 
-    def finish(self, call: _Call, error: BaseException) -> None:
+    @staticmethod
+    def finish(call: _Call, error: BaseException) -> None:
         """Complete ``call``'s op with ``error`` (in order with the other ops of its engine)."""
-        self._answers.put((call, error))
+        _owner(call)._answers.put((call, error))
 
     def _complete_calls(self) -> None:
         while (item := self._answers.get()) is not None:
