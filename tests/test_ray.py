@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import array
 import gc
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -321,3 +323,15 @@ async def test_a_long_pipeline_over_two_hosts_and_back_through_a_local_device() 
             await r1.free(a)
             await r2.free(b)
             await local.free(c)
+
+
+def test_without_ray_the_backend_loads_and_opening_says_what_is_missing() -> None:
+    code = (
+        "import sys; sys.modules['ray'] = None\n"
+        "from aruntime import Device, DeviceError\n"
+        "assert Device['CPU'] is not None\n"
+        "try:\n    Device['RAY:any/CPU']\nexcept DeviceError as exc:\n    print(exc)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "RAY:any/CPU: RAY devices need Ray: pip install 'aruntime[ray]'" in proc.stdout

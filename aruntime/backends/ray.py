@@ -39,8 +39,10 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, NamedTuple
 
-import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+try:
+    import ray
+except ImportError:  # the extra is not installed: the backend loads, opening a device says what is missing
+    ray = None  # type: ignore[assignment]
 
 from aruntime.allocator import BufferSpec, LRUAllocator
 from aruntime.buffer import Buffer
@@ -346,6 +348,8 @@ class RemoteDevice(BaseDevice):
                 f"{name}: a RAY device is named RAY:<host>/<device>, e.g. RAY:any/CPU:1 "
                 "(host: any, a node's IP address or a node id)"
             )
+        if ray is None:
+            raise DeviceError(f"{name}: RAY devices need Ray: pip install 'aruntime[ray]'")
         inner = canonicalize(inner)
         if inner.partition(":")[0] == "RAY":
             raise DeviceError(f"{name}: the remote device cannot itself be a RAY device")
@@ -363,6 +367,8 @@ class RemoteDevice(BaseDevice):
             ray.init()
         options: dict[str, Any] = {"max_concurrency": MAX_CONCURRENCY, "num_cpus": 0}
         if host != "any":
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(_node_id(name, host), soft=False)
         self.actor = _actor_class().options(**options).remote(inner, name)
         self._run = self.actor.run
