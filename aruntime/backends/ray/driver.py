@@ -1,120 +1,45 @@
-"""RAY devices: a device of any kind on another host, driven through a Ray actor.
-
-``Device["RAY:<host>/<device>"]`` opens ``<device>`` (``CPU``, ``CPU:1``, ...)
-inside a Ray actor on ``<host>``: ``any`` (wherever Ray places it), a node's
-IP address, or a node id (hex). The driver holds handles; the memory, the
-compiler and its cache, and the engines are the remote host's.
-
-How it maps onto the engine interface: each op of a RAY device becomes one
-call of its actor (a transfer between two RAY devices, one call on each). The
-driver numbers the calls of a device in the order their ops are handed to its
-engines, sends them in that order, and the actor submits them to its own
-device in that order, so the remote device's hazard tracking orders them
-exactly as the driver's did, without the driver waiting in between. A call's
-ObjectRef resolves on Ray's thread, which only queues it; a completion thread
-per device finishes the ops in order with ``Engine._complete``, which wakes
-awaiters on any event loop (asyncio, uvloop, trio) or thread.
-
-Transfers between two RAY devices go host to host through Ray's object store:
-the source actor exports (puts) the bytes, the destination actor imports them
-by ObjectRef; the driver only passes the reference along. A transfer between a
-RAY device and a local one moves the bytes through the driver, which is where
-the local device is.
-"""
+"""The driver's side of a RAY device: the device, its engines and allocator, and the ordered calls."""
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import ctypes
-import functools
 import itertools
-import os
 import pickle
 import queue
-import socket
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, NamedTuple
-
-try:
-    import ray
-except ImportError:  # the extra is not installed: the backend loads, opening a device says what is missing
-    ray = None  # type: ignore[assignment]
+from typing import Any
 
 from aruntime.allocator import BufferSpec, LRUAllocator
+from aruntime.backends.ray.host import actor_class
+from aruntime.backends.ray.wire import (
+    RemoteHandle,
+    Result,
+    decode,
+    first_line,
+    materialize,
+    ray,
+    unpack_error,
+)
 from aruntime.buffer import Buffer
-from aruntime.device import BaseDevice, Device, Program, _indices, check_scalars
+from aruntime.device import BaseDevice, Program, _indices, check_scalars
 from aruntime.dtype import DType, dtypes
 from aruntime.engine import COPY, EXEC, SIGNAL, WAIT, Command, Engine, Op, check_deps
-from aruntime.errors import AllocationError, BufferUsageError, DependencyError, DeviceError, OpError, SignalTimeout
+from aruntime.errors import BufferUsageError, DeviceError, OpError, SignalTimeout
 from aruntime.events import DeviceEvent, RangeEvent, now_us, recorder
 from aruntime.helpers import after_all, canonicalize
 from aruntime.profile.align import Sample, estimate_offset
 from aruntime.signal import wait_registered
 
-INLINE_MAX = 100 << 10
-"""Exports up to this many bytes travel inside the call's result; bigger ones are put in the object store."""
 MAX_CONCURRENCY = 10_000
 """Calls an actor runs at once (its ops; they wait for their turn, then for their op)."""
 
 
 class DeviceLost(OpError, DeviceError):
     """An op failed because the Ray actor of the RAY device it ran on (or read from) died."""
-
-
-class RemoteHandle(NamedTuple):
-    """What the driver holds of remote memory: the remote buffer's id, and a byte range of it."""
-
-    id: int
-    offset: int
-    nbytes: int
-
-
-Failure = tuple[Any, ...]
-"""An error as it travels back from an actor (see :func:`_pack`)."""
-Result = tuple[Any, Failure | None, Sequence[tuple[str, float, float, bool]]]
-"""What an actor call returns: (value, failure or None, profile ranges (name, start µs, end µs, is_copy))."""
-
-
-def _pack(exc: BaseException) -> Failure:
-    """``exc`` as it can travel through Ray: the root cause of an op failure, rebuilt by :func:`_unpack`."""
-    if isinstance(exc, DependencyError):
-        return ("dependency", str(exc), exc.first)
-    if type(exc) is OpError and exc.__cause__ is not None:
-        exc = exc.__cause__
-    try:
-        pickle.dumps(exc)
-    except Exception:
-        return ("error", RuntimeError(f"{type(exc).__name__}: {exc}"))
-    return ("error", exc)
-
-
-def _unpack(failure: Failure) -> BaseException:
-    if failure[0] == "dependency":
-        return DependencyError(failure[1], failure[2])
-    error: BaseException = failure[1]
-    return error
-
-
-_DONE: Result = (None, None, ())
-"""The answer of a call that succeeded with nothing to return (it travels as None, the cheapest result)."""
-
-
-def _decode(answer: Any) -> Result:
-    """An actor call's answer, unpickled where the actor pickled it."""
-    if answer is None:
-        return _DONE
-    return pickle.loads(answer) if isinstance(answer, bytes) else answer  # type: ignore[no-any-return]
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-
-
-# ---- the driver side ----------------------------------------------------------------------------------
 
 
 class RemoteProgram(Program):
@@ -155,8 +80,8 @@ class RemoteAllocator(LRUAllocator[RemoteHandle]):
             return None
         if answer.exception() is not None:
             return answer.exception()
-        failure = _decode(answer.result())[1]
-        return None if failure is None else _unpack(failure)
+        failure = decode(answer.result())[1]
+        return None if failure is None else unpack_error(failure)
 
     def free(self, handle: RemoteHandle, size: int, spec: BufferSpec | None = None) -> None:
         if self.failed(handle.id) is not None:  # never allocated remotely: nothing to keep for reuse or free
@@ -179,14 +104,7 @@ class RemoteAllocator(LRUAllocator[RemoteHandle]):
 
     def _copyout(self, dest: memoryview, src: RemoteHandle) -> None:
         payload = self._device().call_blocking("export", (src, f"copyout {src.nbytes} B"))
-        dest.cast("B")[:] = _materialize(payload)
-
-
-def _materialize(payload: Any) -> memoryview:
-    """The bytes of an export's payload: inline data, or ``[ref]`` of data put in the object store."""
-    if isinstance(payload, list):
-        payload = ray.get(payload[0])
-    return memoryview(payload).cast("B")
+        dest.cast("B")[:] = materialize(payload)
 
 
 def _host_view(address: int, nbytes: int) -> memoryview:
@@ -194,11 +112,11 @@ def _host_view(address: int, nbytes: int) -> memoryview:
 
 
 def _store_host(address: int, nbytes: int, payload: Any) -> None:
-    _host_view(address, nbytes)[:] = _materialize(payload)
+    _host_view(address, nbytes)[:] = materialize(payload)
 
 
 def _store_local(dev: BaseDevice, handle: Any, payload: Any) -> None:
-    dev.allocator._copyin(handle, _materialize(payload))
+    dev.allocator._copyin(handle, materialize(payload))
 
 
 def _no_copy(dst: int, src: int, nbytes: int) -> None:
@@ -370,16 +288,16 @@ class RemoteDevice(BaseDevice):
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(_node_id(name, host), soft=False)
-        self.actor = _actor_class().options(**options).remote(inner, name)
+        self.actor = actor_class().options(**options).remote(inner, name)
         self._run = self.actor.run
         try:
             info, failure = ray.get(self.actor.host.remote(), timeout=60)
         except Exception as exc:
             ray.kill(self.actor)
-            raise DeviceError(f"{name}: its Ray actor did not start: {_first_line(exc)}") from exc
+            raise DeviceError(f"{name}: its Ray actor did not start: {first_line(exc)}") from exc
         if failure is not None:
             ray.kill(self.actor)
-            raise DeviceError(f"{name}: {inner} could not be opened on its host: {_unpack(failure)}")
+            raise DeviceError(f"{name}: {inner} could not be opened on its host: {unpack_error(failure)}")
         self.host: dict[str, Any] = info
         """Where the remote device is: the Ray node id, its IP address, host name and the actor's pid."""
         super().__init__(name)
@@ -447,9 +365,9 @@ class RemoteDevice(BaseDevice):
 
     def call_blocking(self, step: str, args: tuple[Any, ...], data: Any = None) -> Any:
         """:meth:`call`, waiting on this thread for the value; raises the remote error."""
-        value, failure, _ = _decode(self.call(step, args, data=data).result(self.timeout))
+        value, failure, _ = decode(self.call(step, args, data=data).result(self.timeout))
         if failure is not None:
-            raise _unpack(failure)
+            raise unpack_error(failure)
         return value
 
     async def _wait(self, answer: concurrent.futures.Future[Any], what: str) -> Any:
@@ -471,7 +389,7 @@ class RemoteDevice(BaseDevice):
 
     def _mark_lost(self, exc: BaseException) -> None:
         if self.lost is None:
-            self.lost = f"its Ray actor died: {_first_line(exc)}"
+            self.lost = f"its Ray actor died: {first_line(exc)}"
 
     @staticmethod
     def _answer(call: _Call, answer: concurrent.futures.Future[Any]) -> None:
@@ -501,7 +419,7 @@ class RemoteDevice(BaseDevice):
         if isinstance(outcome, BaseException):
             return outcome
         try:
-            value, failure, ranges = _decode(outcome.result())
+            value, failure, ranges = decode(outcome.result())
         except ray.exceptions.RayActorError as exc:
             call.target._mark_lost(exc)
             return DeviceLost(f"{op.name} failed on {queue_name}: {call.target.name} is lost ({call.target.lost})")
@@ -511,7 +429,7 @@ class RemoteDevice(BaseDevice):
             device = call.target.name
             recorder.events.extend(RangeEvent(device, name, s, e, copy, op.id) for name, s, e, copy in ranges)
         if failure is not None:
-            error = _unpack(failure)
+            error = unpack_error(failure)
             if isinstance(error, DeviceError) and not isinstance(error, OpError):
                 return DeviceLost(f"{op.name} failed on {queue_name}: {error}")
             return error
@@ -552,7 +470,7 @@ class RemoteDevice(BaseDevice):
         self._refuse_if_lost(f"compile {name}")
         pid, failure = await self._wait(self.actor.compile.remote(src, name, outs).future(), f"compile {name}")
         if failure is not None:
-            raise _unpack(failure)
+            raise unpack_error(failure)
         return RemoteProgram(self, name, pid, outs)
 
     def _submit(
@@ -650,189 +568,3 @@ def _node_id(name: str, host: str) -> str:
             return str(node["NodeID"])
     known = ", ".join(f"{n.get('NodeManagerAddress')} ({n.get('NodeID')})" for n in alive)
     raise DeviceError(f"{name}: no live Ray node is {host!r}; live nodes: {known or 'none'}")
-
-
-# ---- the actor side -----------------------------------------------------------------------------------
-
-
-class HostActor:
-    """Runs on the remote host: owns a real device and submits the driver's ops to it in the driver's order."""
-
-    def __init__(self, inner: str, remote: str) -> None:
-        self.remote = remote
-        self.error: Failure | None = None
-        try:
-            self.dev = Device[inner]
-        except Exception as exc:
-            self.error = _pack(exc)
-        self.bufs: dict[int, Buffer] = {}
-        self.views: dict[RemoteHandle, Buffer] = {}
-        self.bad: dict[int, BaseException] = {}
-        self.progs: dict[int, Program] = {}
-        self.prog_ids = itertools.count()
-        self.turn = 0
-        self.waiting: dict[int, asyncio.Future[None]] = {}
-        self.recorded: dict[int, list[tuple[str, float, float, bool]]] = {}
-
-    async def host(self) -> tuple[dict[str, Any], Failure | None]:
-        """Where this actor runs, and the error that kept its device from opening."""
-        context = ray.get_runtime_context()
-        info = {
-            "node": context.get_node_id(),
-            "address": ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]
-            "hostname": socket.gethostname(),
-            "pid": os.getpid(),
-        }
-        return info, self.error
-
-    async def clock(self) -> float:
-        """This host's clock, in µs (what its ranges are stamped with)."""
-        return now_us()
-
-    async def compile(self, src: str, name: str, outs: Sequence[int] | None) -> tuple[int | None, Failure | None]:
-        """Compile and load a kernel; its id for launches."""
-        try:
-            prog = await self.dev.compile(src, name, outs)
-        except Exception as exc:
-            return None, _pack(exc)
-        pid = next(self.prog_ids)
-        self.progs[pid] = prog
-        return pid, None
-
-    async def run(self, header: bytes, data: Any = None) -> Any:
-        """Submit call number ``seq`` to the device once every earlier one is, and answer when it is done.
-
-        The answer is None when there is nothing to say, else pickled into bytes (cheaper for Ray than a
-        tuple) unless it holds an ObjectRef.
-        """
-        seq, step, args, profiling = pickle.loads(header)
-        if data is not None:
-            args = (*args, data)
-        answer = await self._run(seq, step, args, profiling)
-        if answer == _DONE:
-            return None
-        return answer if isinstance(answer[0], list) else pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
-
-    async def _run(self, seq: int, step: str, args: tuple[Any, ...], profiling: bool) -> Result:
-        if seq != self.turn:
-            turn = asyncio.get_running_loop().create_future()
-            self.waiting[seq] = turn
-            await turn
-        op: Op | None = None
-        try:
-            recorder.enabled = profiling
-            try:
-                op, finish = getattr(self, f"_{step}")(*args)
-            finally:
-                self.turn += 1
-                following = self.waiting.pop(self.turn, None)
-                if following is not None:
-                    following.set_result(None)
-            if op is not None:
-                await op
-            return (None if finish is None else finish(), None, self._ranges(op, profiling))
-        except Exception as exc:
-            return (None, _pack(exc), self._ranges(op, profiling))
-
-    def _ranges(self, op: Op | None, profiling: bool) -> Sequence[tuple[str, float, float, bool]]:
-        if not profiling or op is None:
-            return ()
-        events = recorder.events
-        for ev in events:
-            if isinstance(ev, RangeEvent):
-                self.recorded.setdefault(ev.op, []).append((ev.name, ev.start, ev.end, ev.is_copy))
-        events.clear()  # this process records only for the driver
-        return self.recorded.pop(op.id, ())
-
-    def _view(self, h: RemoteHandle) -> Buffer:
-        root = self.bufs.get(h.id)
-        if root is None:
-            raise self.bad.get(h.id) or BufferUsageError(f"{self.remote}: no remote buffer {h.id}")
-        if h.offset == 0 and h.nbytes == root.nbytes:
-            return root
-        view = self.views.get(h)
-        if view is None:
-            view = self.views[h] = root.view(h.nbytes, dtypes.uint8, h.offset)
-            view.handle  # noqa: B018  # its handle now, on this thread
-        return view
-
-    Step = tuple[Op | None, Callable[[], Any] | None]
-
-    def _alloc(self, hid: int, nbytes: int, spec: BufferSpec) -> Step:
-        try:
-            self.bufs[hid] = Buffer(self.dev.name, nbytes, dtypes.uint8, spec, preallocate=True)
-        except AllocationError:
-            error = AllocationError(f"{self.remote}: out of memory allocating {nbytes} bytes")
-            self.bad[hid] = error
-            raise error from None
-        return None, None
-
-    def _skip(self) -> Step:
-        return None, None
-
-    def _free(self, hid: int) -> Step:
-        self.bad.pop(hid, None)
-        for h in [h for h in self.views if h.id == hid]:
-            del self.views[h]
-        root = self.bufs.pop(hid, None)
-        if root is not None:
-            root.deallocate()  # the remote device releases it once its own ops on it are done
-        return None, None
-
-    def _copyin(self, h: RemoteHandle, name: str, data: Any) -> Step:
-        return self.dev.copyin(self._view(h), data), None
-
-    def _launch(self, name: str, pid: int, handles: tuple[RemoteHandle, ...], vals: tuple[Any, ...], outs: Any) -> Step:
-        prog = self.progs[pid]
-        return self.dev.launch(prog, *map(self._view, handles), vals=vals, outs=outs), None
-
-    def _copy(self, dst: RemoteHandle, src: RemoteHandle, name: str) -> Step:
-        d, s = self._view(dst), self._view(src)
-        body: list[Command] = [(COPY, name, self.dev.copy_fn, d.handle, s.handle, s.nbytes)]
-        return self.dev._submit(self.dev.copy, name, body, (s,), (d,), (s, d)), None
-
-    def _export(self, h: RemoteHandle, name: str) -> Step:
-        view = self._view(h)
-        box: list[Any] = []
-        body: list[Command] = [(EXEC, name, _export, (view.allocator, view.handle, view.nbytes, box))]
-        return self.dev._submit(self.dev.copy, name, body, (view,), (), (view, box)), lambda: box[0]
-
-    def _import(self, h: RemoteHandle, name: str, source: str, kind: str, data: Any) -> Step:
-        view = self._view(h)
-        src = (kind, data)
-        body: list[Command] = [(EXEC, name, _import, (view.allocator, view.handle, source, src))]
-        return self.dev._submit(self.dev.copy, name, body, (), (view,), (view, src)), None
-
-
-def _export(allocator: Any, handle: Any, nbytes: int, box: list[Any]) -> None:
-    """(On the remote device's copy queue) the bytes of a buffer: inline if small, else put in the object store."""
-    as_buffer = getattr(allocator, "_as_buffer", None)
-    if nbytes > INLINE_MAX and as_buffer is not None:
-        box.append([ray.put(pickle.PickleBuffer(as_buffer(handle, nbytes)))])  # one copy, into the store
-        return
-    data = bytearray(nbytes)
-    allocator._copyout(memoryview(data), handle)
-    box.append(data if nbytes <= INLINE_MAX else [ray.put(pickle.PickleBuffer(data))])
-
-
-def _import(allocator: Any, handle: Any, source: str, src: tuple[str, Any]) -> None:
-    """(On the remote device's copy queue) write what an export or the driver sent into a buffer."""
-    kind, payload = src
-    if kind == "ref":
-        try:
-            value, failure, _ = _decode(ray.get(payload[0]))
-        except ray.exceptions.RayError as exc:
-            raise DeviceError(f"{source} is lost ({_first_line(exc)})") from None
-        if failure is not None:
-            raise _unpack(failure)
-        payload = value
-    allocator._copyin(handle, _materialize(payload))
-
-
-@functools.cache
-def _actor_class() -> Any:
-    return ray.remote(HostActor)
-
-
-device_class = RemoteDevice
-"""The class the registry opens for this kind."""
