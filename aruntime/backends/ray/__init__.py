@@ -40,7 +40,6 @@ __all__ = [
     "RemoteDevice",
     "RemoteHandle",
     "RemoteProgram",
-    "device_class",
 ]
 
 device_class = RemoteDevice
