@@ -13,6 +13,7 @@ Without ray installed, ``BENCHMARKS`` is empty.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import pickle
 from collections.abc import Awaitable, Callable
@@ -77,7 +78,11 @@ def _bare(nbytes: int, which: int) -> Any:
 
 async def _await_ref(ref: Any) -> Any:
     """An ObjectRef's value on any loop: ``await ref`` on asyncio, the thread-safe callback path on trio."""
-    if settings.loop != "trio":
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # trio
+        pass
+    else:
         return await ref
     from aruntime.signal import wait_registered
 
