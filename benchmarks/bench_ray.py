@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aruntime import Device, dtypes
+from aruntime.backends.ray.driver import settled
 from aruntime.device import BaseDevice, Program
 from aruntime.scheduler import Scheduler
 from benchmarks.common import Benchmark, Result, interleaved, loop_independent, result, settings
@@ -80,15 +81,11 @@ async def _await_ref(ref: Any) -> Any:
     """An ObjectRef's value on any loop: ``await ref`` on asyncio, the thread-safe callback path on trio."""
     try:
         asyncio.get_running_loop()
-    except RuntimeError:  # trio
-        pass
-    else:
-        return await ref
-    from aruntime.signal import wait_registered
-
-    future = ref.future()
-    await wait_registered(lambda cb: future.add_done_callback(lambda _: cb()), 60.0, lambda: TimeoutError(ref))
-    return future.result()
+    except RuntimeError:  # trio, which cannot await a ref
+        future = ref.future()
+        await settled(future)
+        return future.result()
+    return await ref
 
 
 async def _many(count: int, one: Callable[[], Awaitable[object]]) -> None:

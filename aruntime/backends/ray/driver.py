@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import ctypes
 import itertools
@@ -12,6 +13,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
+
+import anyio
 
 from aruntime.allocator import BufferSpec, LRUAllocator
 from aruntime.backends.ray.host import actor_class
@@ -32,7 +35,6 @@ from aruntime.errors import BufferUsageError, DeviceError, OpError, SignalTimeou
 from aruntime.events import DeviceEvent, RangeEvent, now_us, recorder
 from aruntime.helpers import after_all, canonicalize
 from aruntime.profile.align import Sample, estimate_offset
-from aruntime.signal import wait_registered
 
 MAX_CONCURRENCY = 10_000
 """Calls an actor runs at once (its ops; they wait for their turn, then for their op)."""
@@ -373,14 +375,10 @@ class RemoteDevice(BaseDevice):
     async def _wait(self, answer: concurrent.futures.Future[Any], what: str) -> Any:
         """Wait for ``answer`` on any event loop; an actor that died raises :class:`DeviceError`."""
         limit = self.timeout
-
-        def register(callback: Callable[[], None]) -> None:
-            answer.add_done_callback(lambda _: callback())
-
-        def late() -> BaseException:
-            return SignalTimeout(f"{what} on {self.name}: no answer from its actor within {limit:g} s")
-
-        await wait_registered(register, limit, late)
+        with anyio.move_on_after(limit):
+            await settled(answer)
+        if not answer.done():
+            raise SignalTimeout(f"{what} on {self.name}: no answer from its actor within {limit:g} s")
         try:
             return answer.result()
         except ray.exceptions.RayActorError as exc:
@@ -549,6 +547,32 @@ class RemoteDevice(BaseDevice):
         self._completer.join()
         self.lost = self.lost or "it was closed"
         ray.kill(self.actor)
+
+
+async def settled(future: concurrent.futures.Future[Any]) -> None:
+    """Wait, on asyncio or trio, until ``future`` (completed on any thread, e.g. Ray's) is done.
+
+    The thread that completes it only schedules a wake-up of the waiting loop; cancelling the wait leaves
+    the future alone.
+    """
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # not asyncio: trio
+        import trio
+
+        token = trio.lowlevel.current_trio_token()
+        event = trio.Event()
+        future.add_done_callback(lambda _: token.run_sync_soon(event.set))
+        await event.wait()
+        return
+    waiter: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    future.add_done_callback(lambda _: loop.call_soon_threadsafe(wake))
+    await waiter
 
 
 def _relay(answer: concurrent.futures.Future[Result], future: concurrent.futures.Future[Result]) -> None:
