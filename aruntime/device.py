@@ -72,6 +72,9 @@ class BaseDevice:
     program_type: ClassVar[type[Program]] = Program
     allocator_type: ClassVar[type[Allocator[Any]]]
     compiler_type: ClassVar[type[Compiler] | None] = None
+    host_mapped: ClassVar[bool] = True
+    """Whether a host-mapped device's ``copy_fn`` can copy to this device's handles; one that is not (a remote
+    device) runs the transfers into it itself."""
     copy_fn: CopyFn
     """``copy_fn(dst, src, nbytes)`` copies between two of this device's handles (or host addresses)."""
 
@@ -231,6 +234,8 @@ class BaseDevice:
         if not isinstance(dst, Buffer):
             raise BufferUsageError(f"transfer: expected a Buffer destination, got {type(dst).__name__}")
         dst_dev = dst.owner
+        if not dst_dev.host_mapped:
+            return dst_dev.transfer(dst, src, hold)
         dst_handle = dst_dev._check(dst, "transfer")
         if dst.nbytes != src.nbytes:
             raise BufferUsageError(f"transfer: {src!r} has {src.nbytes} bytes, {dst!r} has {dst.nbytes}")
