@@ -508,3 +508,22 @@ def test_a_held_wait_that_times_out_names_its_own_limit() -> None:
     gate.set(1)
     with pytest.raises(OpError, match="kernel blew up"):
         held.wait(10)
+
+
+def test_a_crashed_python_engine_fails_its_ops_and_refuses_new_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aruntime.engine import ThreadEngine
+
+    def broken(self: ThreadEngine, op: Op, error: BaseException | None) -> None:
+        raise RuntimeError("engine bug")
+
+    monkeypatch.setattr(ThreadEngine, "_complete", broken)  # before the worker starts, which binds it
+    engine = ThreadEngine("TEST", "copy", timeout=5)
+    gate = TimelineSignal("test gate", timeout=5)
+    first = engine.submit(CommandQueue().wait(gate, 1), Op("first"))
+    queued = engine.submit(CommandQueue(), Op("queued"))
+    gate.set(1)
+    for op in (first, queued):
+        with pytest.raises(OpError, match=rf"{op.name} failed on TEST copy queue: .*crashed: RuntimeError"):
+            op.wait(5)
+    with pytest.raises(DeviceError, match="crashed"):
+        engine.submit(CommandQueue(), Op("later"))

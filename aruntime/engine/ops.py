@@ -12,6 +12,7 @@ hardware queues subclasses :class:`Engine` and maps the same commands onto them.
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 from collections.abc import Callable, Generator, Sequence
@@ -24,6 +25,7 @@ from aruntime.events import RangeLog, op_ids, recorder
 HELD = 1 << 62
 """The ``value`` of an op that is held: bound for an engine, not yet handed to it."""
 _later_lock = threading.Lock()
+_log = logging.getLogger("aruntime")
 
 WAIT, SIGNAL, TIMESTAMP, EXEC, COPY = range(5)  # the engine relies on this order: control commands first
 Command = tuple[Any, ...]
@@ -255,6 +257,7 @@ class Engine:
         self.held: set[Op] = set()  # ops bound for this engine, not yet handed to it
         self.failed: list[Op] = []
         self.closed = False
+        self.crashed: DeviceError | None = None
         self._lock = threading.Lock()  # submissions
         self._failed_lock = threading.Lock()
 
@@ -292,9 +295,31 @@ class Engine:
         """Bring the errors of finished ops up to date (see the class docstring); nothing to do by default."""
 
     def check_open(self, what: str) -> None:
-        """Raise :class:`DeviceError` (naming ``what``) if the engine is closed."""
+        """Raise :class:`DeviceError` (naming ``what``) if the engine is closed or has crashed."""
         if self.closed:
+            if self.crashed is not None:
+                raise DeviceError(f"{what}: {self.crashed}") from self.crashed.__cause__
             raise DeviceError(f"{what}: {self.signal.name} is closed")
+
+    def crash(self, error: BaseException) -> None:
+        """The code that runs commands failed unexpectedly: refuse new work and fail every op not yet done with a
+        :class:`DeviceError` naming the queue and ``error`` (from any thread)."""
+        crashed = DeviceError(f"{self.signal.name} crashed: {error!r}; its unfinished ops failed, it takes no work")
+        crashed.__cause__ = error
+        with self._lock:
+            self.closed = True
+            self.crashed = crashed
+            last = self.last
+        _log.error("%s", crashed)
+        for op in self._unfinished():
+            self._fail(op, crashed)
+            self._note_failure(op)
+        if self.signal.value < last:
+            self.signal.set(last)
+
+    def _unfinished(self) -> list[Op]:
+        """The ops handed to this engine and not done (for :meth:`crash`)."""
+        return []
 
     def _enqueue(self, cmds: list[Command], op: Op) -> None:
         raise NotImplementedError

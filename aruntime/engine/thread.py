@@ -44,6 +44,9 @@ class ThreadEngine(Engine):
     def _stop(self) -> None:
         self._enqueue([], None)
 
+    def _unfinished(self) -> list[Op]:
+        return [op for op in self._ops if op is not None]
+
     def _next(self) -> Op | None:
         ops = self._ops
         while not ops:
@@ -58,8 +61,10 @@ class ThreadEngine(Engine):
         get = self._next
         execute = self._execute
         complete = self._complete
+        current: Op | None = None
         try:
             while (op := get()) is not None:
+                current = op
                 try:
                     execute(op)
                 except BaseException as exc:  # the op's awaiter (or synchronize) receives it
@@ -67,6 +72,11 @@ class ThreadEngine(Engine):
                 else:
                     error = None
                 complete(op, error)
+                current = None
+        except BaseException as exc:  # the engine's own code failed: nobody must be left waiting
+            if current is not None:
+                self._ops.appendleft(current)
+            self.crash(exc)
         finally:
             os.close(self._wake_r)  # nothing writes after the end: only a sleeping worker is ever woken
             os.close(self._wake_w)

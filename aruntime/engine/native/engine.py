@@ -17,6 +17,7 @@ each submission.
 from __future__ import annotations
 
 import ctypes
+import logging
 import struct
 import threading
 from array import array
@@ -39,6 +40,7 @@ _RECORD = struct.Struct("=IIQQQQQQII")
 SPIN_NS = 20_000
 """How long a worker that ran out of commands polls for more before it sleeps (a wake-up costs more)."""
 
+_log = logging.getLogger("aruntime")
 _names: dict[str, int] = {}
 _name_list: list[str] = []
 
@@ -227,7 +229,11 @@ class NativeEngine(Engine):
         value, index = ctypes.c_uint64(), ctypes.c_uint32()
         while lib.ar_py_next(eng, ctypes.byref(value), ctypes.byref(index)):
             i = index.value
-            op = self._python[value.value]
+            op = self._python.get(value.value)
+            if op is None:  # cannot happen: the op is registered before its command is pushed
+                _log.error("%s: no op for python command %d of op value %d", self.signal.name, i, value.value)
+                lib.ar_py_done(eng, 1)
+                continue
             try:
                 if i & CHECK_BIT:
                     check_deps(op)  # each input's done() brings its error up to date first
