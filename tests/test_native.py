@@ -11,7 +11,6 @@ import threading
 
 import anyio
 import anyio.lowlevel
-import anyio.lowlevel
 import pytest
 
 from aruntime import CompileError, Device, dtypes
