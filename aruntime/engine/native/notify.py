@@ -219,3 +219,8 @@ def callback_thread() -> Notified:
             if _callbacks is None:
                 _callbacks = _CallbackThread()
     return _callbacks.notified
+
+
+def started_callback_thread() -> Notified | None:
+    """The callback thread's notified, or None if it was never started."""
+    return None if _callbacks is None else _callbacks.notified

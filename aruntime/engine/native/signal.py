@@ -8,13 +8,15 @@ import sys
 from collections.abc import Callable
 
 from aruntime.engine import native
+from aruntime.engine.native import notify
 from aruntime.engine.native.notify import Notified, callback_thread
 from aruntime.engine.signal import TimelineSignal
 from aruntime.engine.wakeup import Waiter, asyncio_waker, trio_waker
 
 
 def _existing_notified() -> Notified | None:
-    """The running event loop's notified if it has one (None outside a loop, or before any native wait)."""
+    """The notified that holds callbacks registered from the calling thread, if it has been made yet: the running
+    event loop's, else (outside any loop) the callback thread's."""
     loop = asyncio._get_running_loop()
     if loop is not None:
         return asyncio_waker(loop).notified
@@ -23,9 +25,10 @@ def _existing_notified() -> Notified | None:
         try:
             trio.lowlevel.current_trio_token()
         except RuntimeError:
-            return None
-        return trio_waker().notified
-    return None
+            pass
+        else:
+            return trio_waker().notified
+    return notify.started_callback_thread()
 
 
 def current_notified() -> Notified:
