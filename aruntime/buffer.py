@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from functools import partial
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from aruntime.allocator import DEFAULT_SPEC, Allocator, BufferSpec
@@ -17,6 +18,25 @@ if TYPE_CHECKING:
     from aruntime.device import BaseDevice
 
 _counter_lock = threading.Lock()
+
+
+def typed(view: memoryview, dtype: DType) -> memoryview:
+    """``view`` (bytes) cast to ``dtype``'s struct format, one row per element for a vector dtype; the byte view
+    itself for a dtype without a format :mod:`memoryview` can cast to (float16 before Python 3.12, bfloat16)."""
+    scalar = dtype.scalar()
+    fmt = scalar.fmt
+    if fmt is None or (fmt == "B" and dtype.count == 1):
+        return view
+    shape = [view.nbytes // dtype.itemsize, dtype.count] if dtype.count > 1 else [view.nbytes // scalar.itemsize]
+    try:
+        cast: memoryview = view.cast(fmt, shape)  # type: ignore[call-overload]  # fmt is a struct format character
+    except (TypeError, ValueError):
+        return view
+    return cast
+
+
+def _let_go(keep: object) -> None:
+    """Called once the ops on external memory are done: what held ``keep`` (this call) lets go of it."""
 
 
 def _release(allocator: Allocator[Any], handle: Any, nbytes: int, spec: BufferSpec, counted: bool) -> None:
@@ -61,6 +81,7 @@ class Buffer:
         self._freed = False
         self._owner: BaseDevice | None = None
         self._generation = 0  # a root counts its allocations; a view records the one its handle came from
+        self._keep: object = None  # what keeps external memory alive (see aruntime.from_dlpack)
         if base is None:
             if offset != 0:
                 raise BufferUsageError("a base buffer has no offset; pass base= to make a view")
@@ -170,8 +191,14 @@ class Buffer:
         if self._base is not None:
             return
         self._freed = True
-        if self.spec.external_ptr is not None:
-            return  # caller-owned memory: nothing to free
+        if self.spec.external_ptr is not None:  # caller-owned memory: nothing to free, let go of it once unused
+            keep, self._keep = self._keep, None
+            pending = self.log.pending()
+            if keep is not None and pending:
+                let_go = after_all(len(pending), partial(_let_go, keep))
+                for op in pending:
+                    op.when_done(let_go)
+            return
         # what the handle came from, fixed now: the buffer may be allocated again before the release runs
         release = partial(_release, self.allocator, handle, self.nbytes, self.spec, not self.owner.file_backed)
         pending = self.log.pending()
@@ -227,6 +254,32 @@ class Buffer:
             return view
         return self.copyout(memoryview(bytearray(self.nbytes)))
 
+    def __dlpack__(
+        self,
+        *,
+        stream: int | None = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> object:
+        """Export the buffer as a DLPack capsule (``numpy.from_dlpack(buf)`` is a zero-copy view of it).
+
+        Only buffers of host-memory devices (CPU) export; the buffer's ops still
+        running are waited for first (blocking), and the buffer stays allocated
+        while the consumer holds the memory. A 1-D tensor of ``size`` elements
+        (``size x count`` for a vector dtype).
+        """
+        from aruntime.dlpack import export
+
+        return export(self, stream, dl_device, copy)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """``(1, 0)``, DLPack's CPU device, for a buffer of host memory; an error for other buffers."""
+        from aruntime.dlpack import host_address
+
+        host_address(self)
+        return (1, 0)
+
     def __reduce__(self) -> tuple[Any, ...]:
         if self._base is not None:
             args = (self.device, self.size, self.dtype, None, None, self._base, self.offset, self.is_allocated())
@@ -234,3 +287,27 @@ class Buffer:
         contents = bytes(self.as_buffer()) if self.is_allocated() else None
         spec = BufferSpec(**{**self.spec.__dict__, "external_ptr": None})
         return (Buffer, (self.device, self.size, self.dtype, spec, contents))
+
+
+class BufferScope:
+    """What :meth:`BaseDevice.buffer` returns: ``async with`` it to hold a buffer for the block."""
+
+    def __init__(self, device: BaseDevice, size: int, dtype: DType, spec: BufferSpec | None) -> None:
+        self.device = device
+        self.size = size
+        self.dtype = dtype
+        self.spec = spec
+        self.buffer: Buffer | None = None
+
+    async def __aenter__(self) -> Buffer:
+        if self.buffer is not None:
+            raise BufferUsageError("this buffer scope is already in use")
+        self.buffer = await self.device.allocate(self.size, self.dtype, self.spec)
+        return self.buffer
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        buf, self.buffer = self.buffer, None
+        if buf is not None and buf.is_allocated():  # the block may have freed it already
+            await self.device.free(buf)  # unusable now, released once its ops are done, even if this is cancelled

@@ -62,7 +62,7 @@ def cache_path() -> Path:
     override = getenv("CACHEDB", "")
     if override:
         return Path(os.path.abspath(os.path.expanduser(override)))
-    base = getenv("XDG_CACHE_HOME", "") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = os.environ.get("XDG_CACHE_HOME", "") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(os.path.abspath(os.path.join(base, "aruntime", "cache.db")))
 
 

@@ -6,16 +6,15 @@ import functools
 import importlib
 import importlib.metadata
 import multiprocessing
-import os
 import pkgutil
 import threading
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import anyio
 
 from aruntime.allocator import Allocator, BufferSpec
-from aruntime.buffer import Buffer
+from aruntime.buffer import Buffer, BufferScope, typed
 from aruntime.compiler import Compiler
 from aruntime.dtype import DType, dtypes
 from aruntime.engine import COPY, EXEC, Command, CommandQueue, CopyFn, Engine, Op, ThreadEngine, first_failure
@@ -28,6 +27,16 @@ PRIORITY = ("CUDA", "CL", "CPU")
 
 Bound = tuple[Callable[..., object], tuple[Any, ...]]
 """What :meth:`Program.bind` returns: the callable an engine runs for one launch, and its arguments."""
+
+
+class Window(Protocol):
+    """Where ops wait for room before they are handed to their engines (a :class:`~aruntime.scheduler.Scheduler`)."""
+
+    def enter(self, ops: Sequence[Op]) -> bool:
+        """Admit ``ops`` now (True), or refuse them until :meth:`wait` is called (False)."""
+
+    def wait(self, ops: Sequence[Op], go: Callable[[], None]) -> None:
+        """Call ``go`` (from any thread) once refused ``ops`` are admitted."""
 
 
 class Program:
@@ -61,8 +70,9 @@ class Program:
 class BaseDevice:
     """A device: allocator, compiler, program type, a compute engine and a copy engine.
 
-    Every op method submits at once and returns an awaitable :class:`Op`;
-    dependencies between ops come from the byte ranges of the buffers they read
+    Every op method submits at once and returns the op's handle, an
+    :class:`Op`: ``await op`` is its result (the data, for a copy-out).
+    Dependencies between ops come from the byte ranges of the buffers they read
     and write, and a wait is emitted only where a hazard crosses engines.
     """
 
@@ -89,7 +99,7 @@ class BaseDevice:
 
     @property
     def timeout(self) -> float:
-        """Seconds a wait on this device's queues may take before it fails (env ``WAIT_TIMEOUT``, default 30)."""
+        """Seconds a wait on this device's queues may take before it fails (``ARUNTIME_WAIT_TIMEOUT``, default 30)."""
         return self.compute.signal.timeout
 
     @timeout.setter
@@ -117,6 +127,11 @@ class BaseDevice:
         """
         make = functools.partial(Buffer, self.name, size, dtype, spec, preallocate=True)
         return await anyio.to_thread.run_sync(make) if self.file_backed else make()
+
+    def buffer(self, size: int, dtype: DType = dtypes.uint8, spec: BufferSpec | None = None) -> BufferScope:
+        """``async with dev.buffer(size, dtype) as buf:`` allocates ``buf`` and frees it on exit (also on
+        cancellation or an error), with :meth:`free`'s rule: never while an op may still use it."""
+        return BufferScope(self, size, dtype, spec)
 
     async def free(self, buf: Buffer) -> None:
         """Free ``buf``. It is unusable at once; its memory is released when its in-flight ops finish.
@@ -149,24 +164,26 @@ class BaseDevice:
         keep: Any,
         result: Any = None,
         hold: bool = False,
+        window: Window | None = None,
     ) -> Op:
-        """Track the op's hazards and hand it to ``engine`` (see :func:`dispatch_when_ready`)."""
+        """Track the op's hazards and hand it to ``engine`` (see :func:`dispatch_when_ready`); through
+        ``window`` (held, as with ``hold``) once it admits the op."""
         engine.check_open(name)  # before the hazard logs learn of an op that would never run
         op = Op(name, (), keep, result)
-        if not (reads or writes):
-            return engine.push(body, op)
         deps: list[Op] = []
-        inputs: list[Op] = []
-        for buf in reads:
-            buf.log.access(buf.offset, buf.offset + buf.nbytes, False, True, op, engine, deps, inputs)
-        for buf in writes:
-            buf.log.access(buf.offset, buf.offset + buf.nbytes, True, False, op, engine, deps, inputs)
-        if inputs:
-            op.inputs = inputs
-        if not deps:
+        if reads or writes:
+            inputs: list[Op] = []
+            for buf in reads:
+                buf.log.access(buf.offset, buf.offset + buf.nbytes, False, True, op, engine, deps, inputs)
+            for buf in writes:
+                buf.log.access(buf.offset, buf.offset + buf.nbytes, True, False, op, engine, deps, inputs)
+            if inputs:
+                op.inputs = inputs
+        admitted = window is None or window.enter((op,))
+        if admitted and not deps:
             return engine.push(body, op)
         op.deps = deps
-        dispatch_when_ready([(engine, body, op)], hold)
+        dispatch_when_ready([(engine, body, op)], hold or window is not None, None if admitted else window)
         return op
 
     def _copy_engine(self, buf: Buffer, write: bool) -> Engine:
@@ -178,14 +195,16 @@ class BaseDevice:
             return self.compute
         return self.copy
 
-    def copyin(self, buf: Buffer, data: Any, hold: bool = False) -> Op:
-        """Copy ``data`` (any C-contiguous buffer-protocol object of ``buf.nbytes`` bytes) into ``buf``.
+    def copyin(self, buf: Buffer, data: Any, hold: bool = False, window: Window | None = None) -> Op:
+        """Copy ``data`` (any C-contiguous buffer-protocol object of ``buf.nbytes`` bytes: bytes, array,
+        a numpy array...) into ``buf``; ``await`` the op for the copy to be done.
 
         Zero-copy from the source: it is held, unresizable, until the copy is done.
         Like every op method, it submits at once and returns the awaitable op. A
         queue runs its ops in the order given; with ``hold``, an op that must wait
         for another queue is kept off its queue until then, so later independent
-        ops go first (see :func:`dispatch_when_ready`).
+        ops go first (see :func:`dispatch_when_ready`). ``window``: the
+        :class:`~aruntime.scheduler.Scheduler` the op goes through (it is held).
         """
         handle = self._check(buf, "copyin")
         holder, address, nbytes = pin(data)
@@ -193,25 +212,33 @@ class BaseDevice:
             raise BufferUsageError(f"copyin: source has {nbytes} bytes, {buf!r} has {buf.nbytes}")
         name = f"copyin {nbytes} B"
         body: list[Command] = [(COPY, name, self.copy_fn, handle, address, nbytes)]
-        return self._submit(self._copy_engine(buf, True), name, body, (), (buf,), (holder, buf), hold=hold)
+        engine = self._copy_engine(buf, True)
+        return self._submit(engine, name, body, (), (buf,), (holder, buf), None, hold, window)
 
-    def copyout(self, buf: Buffer, into: Any = None, hold: bool = False) -> Op:
-        """Copy ``buf`` out; the op's result is ``into`` (a writable buffer) or a new bytearray. ``hold``: see
-        :meth:`copyin`."""
+    def copyout(self, buf: Buffer, into: Any = None, hold: bool = False, window: Window | None = None) -> Op:
+        """Copy ``buf`` to the host; ``await`` the op for the data.
+
+        The result is ``into`` (a writable, C-contiguous buffer-protocol object of
+        ``buf.nbytes`` bytes, such as a numpy array), or else a new memoryview cast
+        to the buffer's dtype (``tolist()``, indexing and ``numpy.asarray`` read it
+        as numbers; a byte view for a dtype :mod:`memoryview` cannot cast to, such
+        as float16 or bfloat16). ``hold``, ``window``: see :meth:`copyin`.
+        """
         handle = self._check(buf, "copyout")
-        dest = bytearray(buf.nbytes) if into is None else into
-        holder, address, nbytes = pin(dest, writable=True)
+        dest = typed(memoryview(bytearray(buf.nbytes)), buf.dtype) if into is None else into
+        try:
+            holder, address, nbytes = pin(dest, writable=True)
+        except BufferUsageError as exc:
+            raise BufferUsageError(f"copyout into: {exc}") from None
         if nbytes != buf.nbytes:
             raise BufferUsageError(f"copyout: destination has {nbytes} bytes, {buf!r} has {buf.nbytes}")
         name = f"copyout {nbytes} B"
         body: list[Command] = [(COPY, name, self.copy_fn, address, handle, nbytes)]
-        return self._submit(self._copy_engine(buf, False), name, body, (buf,), (), (holder, buf), dest, hold)
+        engine = self._copy_engine(buf, False)
+        return self._submit(engine, name, body, (buf,), (), (holder, buf), dest, hold, window)
 
-    def transfer(self, dst: Buffer, src: Buffer, hold: bool = False) -> Op:
-        """Copy ``src`` (on this device) to ``dst`` (on any host-mapped device) on this device's copy engine.
-
-        The destination device's later work on ``dst`` waits for it. ``hold``: see :meth:`copyin`.
-        """
+    def _transfer(self, dst: Buffer, src: Buffer, hold: bool, window: Window | None) -> Op:
+        """:func:`transfer` from this device, the source's."""
         src_handle = self._check(src, "transfer")
         if not isinstance(dst, Buffer):
             raise BufferUsageError(f"transfer: expected a Buffer destination, got {type(dst).__name__}")
@@ -221,7 +248,7 @@ class BaseDevice:
             raise BufferUsageError(f"transfer: {src!r} has {src.nbytes} bytes, {dst!r} has {dst.nbytes}")
         name = f"transfer {src.nbytes} B {self.name}->{dst_dev.name}"
         body: list[Command] = [(COPY, name, self.copy_fn, dst_handle, src_handle, src.nbytes)]
-        return self._submit(self.copy, name, body, (src,), (dst,), (src, dst), hold=hold)
+        return self._submit(self.copy, name, body, (src,), (dst,), (src, dst), None, hold, window)
 
     async def compile(self, src: str, name: str = "kernel", outs: Sequence[int] | None = None) -> Program:
         """Compile ``src`` off the event loop (through the compile cache) and load kernel ``name``.
@@ -268,17 +295,19 @@ class BaseDevice:
         vals: Sequence[int | float] = (),
         outs: Sequence[int] | None = None,
         hold: bool = False,
+        window: Window | None = None,
     ) -> Op:
-        """Run ``prog`` on ``bufs`` and the scalar ``vals`` on the compute engine.
+        """Run ``prog`` on ``bufs`` and the scalar ``vals`` on the compute engine; ``await`` the op for the
+        kernel to be done.
 
         ``outs`` (default: the program's, else all) are the indices of the buffers it writes;
-        the others are only read. ``hold``: see :meth:`copyin`.
+        the others are only read. ``hold``, ``window``: see :meth:`copyin`.
         """
         reads, writes = self._launch_access(prog, bufs, outs)
         check_scalars(f"launch {prog.name}", vals)
         fn, args = prog.bind([b._handle for b in bufs], vals)  # checked above: every handle is there
         body: list[Command] = [(EXEC, prog.name, fn, args)]  # the op holds the buffers until it is done
-        return self._submit(self.compute, prog.name, body, reads, writes, bufs, hold=hold)
+        return self._submit(self.compute, prog.name, body, reads, writes, bufs, None, hold, window)
 
     # ---- completion ---------------------------------------------------------------------------------
 
@@ -369,9 +398,24 @@ def _split(count: int, written: tuple[int, ...]) -> tuple[tuple[int, ...], tuple
     return tuple(i for i in range(count) if i not in written), tuple(sorted(set(written)))
 
 
-def dispatch_when_ready(ops: Sequence[tuple[Engine, list[Command], Op]], hold: bool) -> None:
+def transfer(dst: Buffer, src: Buffer, hold: bool = False, window: Window | None = None) -> Op:
+    """Copy ``src`` into ``dst``, a buffer of another device (or the same), on the source device's copy
+    queue; ``await`` the op for the copy to be done.
+
+    Both must be allocated and of the same size; the destination device's later
+    work on ``dst`` waits for it. ``hold``, ``window``: see :meth:`BaseDevice.copyin`.
+    """
+    if not isinstance(src, Buffer):
+        raise BufferUsageError(f"transfer: expected a Buffer source, got {type(src).__name__}")
+    return src.owner._transfer(dst, src, hold, window)
+
+
+def dispatch_when_ready(
+    ops: Sequence[tuple[Engine, list[Command], Op]], hold: bool, window: Window | None = None
+) -> None:
     """Hand ``ops`` (each with its engine and commands, its ``deps`` set) to their engines together,
-    as soon as their dependencies allow; until then they are held (see :meth:`Op.hold`).
+    as soon as their dependencies allow (and ``window``, which refused them, admits them); until then
+    they are held (see :meth:`Op.hold`).
 
     Without ``hold`` they go as soon as every dependency has been handed over, and
     wait commands cover cross-queue hazards (a queue runs in the order it is given
@@ -390,16 +434,18 @@ def dispatch_when_ready(ops: Sequence[tuple[Engine, list[Command], Op]], hold: b
                 blockers.append((op, False, dep))
             elif not dep.dispatched:
                 blockers.append((op, True, dep))
-    if not blockers:
+    if not blockers and window is None:
         _dispatch(ops, mine)
         return
     for engine, _, op in ops:
         op.hold(engine)
     if recorder.enabled:
         recorder.events.extend(DependencyEvent(dep.id, op.id) for op, on, dep in blockers if not on)
-    one_ready = after_all(len(blockers), lambda: _dispatch(ops, mine))
+    one_ready = after_all(len(blockers) + (window is not None), lambda: _dispatch(ops, mine))
     for _, on_dispatch, dep in blockers:
         (dep.when_dispatched if on_dispatch else dep.when_done)(one_ready)
+    if window is not None:
+        window.wait([op for _, _, op in ops], one_ready)
 
 
 def _dispatch(ops: Sequence[tuple[Engine, list[Command], Op]], mine: Collection[int]) -> None:
@@ -514,13 +560,15 @@ class _Registry:
 
     @property
     def DEFAULT(self) -> str:
-        """The default device: a kind whose env var is 1, else the first of PRIORITY that opens."""
+        """The default device: the kind whose ``ARUNTIME_<KIND>`` is 1, else the first of :data:`PRIORITY`
+        that opens (a child process finds it by the same rule; nothing is written to the environment)."""
         if self._default is not None:
             return self._default
         kinds = self.kinds()
-        chosen = [k for k in kinds if os.environ.get(k) == "1" and not self.backend(k).file_backed]
+        chosen = [k for k in kinds if getenv(k, "") == "1" and not self.backend(k).file_backed]
         if len(chosen) > 1:
-            raise DeviceError(f"several device kinds are set to 1 in the environment: {', '.join(sorted(chosen))}")
+            names = ", ".join(f"ARUNTIME_{k}" for k in sorted(chosen))
+            raise DeviceError(f"several device kinds are set to 1 in the environment: {names}")
         if not chosen:
             errors = []
             for kind in PRIORITY:
@@ -536,7 +584,6 @@ class _Registry:
             if not chosen:
                 raise DeviceError("no device could be opened: " + ("; ".join(errors) or "no backends found"))
         self._default = chosen[0]
-        os.environ[self._default] = "1"
         return self._default
 
 

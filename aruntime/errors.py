@@ -41,3 +41,7 @@ class DependencyError(OpError):
     def __init__(self, message: str, first: str) -> None:
         super().__init__(message)
         self.first = first
+
+
+class SchedulerFull(AruntimeError):
+    """A :class:`~aruntime.scheduler.Scheduler`'s queue of ops waiting for its window is full."""

@@ -17,8 +17,8 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aruntime.buffer import Buffer
-from aruntime.device import BaseDevice, Program, check_scalar, check_scalars, dispatch_when_ready
+from aruntime.buffer import Buffer, typed
+from aruntime.device import BaseDevice, Program, Window, check_scalar, check_scalars, dispatch_when_ready
 from aruntime.engine import COPY, EXEC, SIGNAL, TIMESTAMP, WAIT, Command, Engine, Op, first_failure
 from aruntime.errors import BufferUsageError, DeviceError
 from aruntime.events import GraphEntry, GraphEvent, recorder
@@ -136,7 +136,8 @@ class Graph:
         self._add(_Entry("copyout", dev, dev.copy, f"copyout {buf.nbytes} B", (buf,), (), host=dest, nbytes=buf.nbytes))
 
     def transfer(self, dst: Buffer, src: Buffer) -> None:
-        """Capture a device-to-device copy on the source's copy engine."""
+        """Capture a copy of ``src`` into ``dst`` on the source device's copy engine (see
+        :func:`aruntime.transfer`)."""
         dev = _owner(src, "graph transfer")
         _owner(dst, "graph transfer")
         if dst.nbytes != src.nbytes:
@@ -260,16 +261,26 @@ class Graph:
 
         ``buffers`` maps captured buffers to replacements (same device and size);
         ``inputs`` gives every copy-in source and :class:`Param` by name, and may
-        give a writable destination for a copy-out (else a new bytearray).
+        give a writable destination for a copy-out (else a new memoryview cast to the buffer's dtype, as
+        :meth:`BaseDevice.copyout` gives).
         """
+        return self._replay(buffers, inputs, None)
+
+    def _replay(self, buffers: dict[Buffer, Buffer] | None, inputs: dict[str, Any], window: Window | None) -> GraphRun:
+        """:meth:`replay`, its parts admitted through ``window`` (a scheduler's) if given."""
         with self._lock:  # one replay at a time: the progress signals count the runs in the order they are submitted
             plan = self._plan = self._plan or self._build()
-            run = self._submit_run(plan, self._runs, buffers, inputs)
+            run = self._submit_run(plan, self._runs, buffers, inputs, window)
             self._runs += 1
         return run
 
     def _submit_run(
-        self, plan: _Plan, run_index: int, buffers: dict[Buffer, Buffer] | None, inputs: dict[str, Any]
+        self,
+        plan: _Plan,
+        run_index: int,
+        buffers: dict[Buffer, Buffer] | None,
+        inputs: dict[str, Any],
+        window: Window | None,
     ) -> GraphRun:
         """Check the inputs, build each engine's commands for run ``run_index`` and submit them (under the lock)."""
         bufs = self._substituted(plan, buffers) if buffers else plan.buffers
@@ -309,7 +320,7 @@ class Graph:
                 if step.signal:
                     cmds.append((SIGNAL, progress, base + step.signal))
             bodies[engine] = cmds
-        ops = self._submit(plan, bodies, bufs, keep, run_index)
+        ops = self._submit(plan, bodies, bufs, keep, run_index, window)
         run = GraphRun(tuple(ops), results)
         if timing:
             _record_when_done(run, self, plan, times)
@@ -377,7 +388,7 @@ class Graph:
                 raise BufferUsageError(f"graph input {entry.host!r} has {size} bytes, {entry.writes[0]!r} has {nbytes}")
             return (COPY, entry.name, entry.device.copy_fn, handles[step.slots[0]], address, nbytes)
         dest = inputs.get(entry.host)
-        dest = bytearray(nbytes) if dest is None else dest
+        dest = typed(memoryview(bytearray(nbytes)), entry.reads[0].dtype) if dest is None else dest
         holder, address, size = pin(dest, writable=True)
         keep.append(holder)
         if size != nbytes:
@@ -392,6 +403,7 @@ class Graph:
         bufs: list[Buffer],
         keep: list[Any],
         run_index: int,
+        window: Window | None,
     ) -> list[Op]:
         for engine in plan.engines:
             engine.check_open(f"{self!r} replay")
@@ -410,8 +422,12 @@ class Graph:
             ops[engine].inputs = outside + [ops[f] for f in plan.feeds[engine]]
         # all engines' parts go together, once every outside dependency is on its queue: their progress
         # waits on one another must never sit in front of an outside op they depend on
-        dispatch_when_ready([(engine, bodies[engine], ops[engine]) for engine in plan.engines], hold=False)
-        return list(ops.values())
+        parts = list(ops.values())
+        admitted = window is None or window.enter(parts)
+        dispatch_when_ready(
+            [(engine, bodies[engine], ops[engine]) for engine in plan.engines], False, None if admitted else window
+        )
+        return parts
 
 
 def _record_when_done(run: GraphRun, graph: Graph, plan: _Plan, times: list[list[float]]) -> None:

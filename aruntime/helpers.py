@@ -13,19 +13,25 @@ from aruntime.errors import BufferUsageError, DeviceError
 T = TypeVar("T", int, float, str)
 
 
-def getenv(key: str, default: T) -> T:
-    """Read the environment variable ``key`` converted to the type of ``default``.
+ENV_PREFIX = "ARUNTIME_"
+"""Every environment variable aruntime reads is named with this prefix (``ARUNTIME_WAIT_TIMEOUT``...)."""
 
-    Unset or empty reads as ``default``. A value that does not convert raises a
-    ``ValueError`` naming the variable.
+
+def getenv(key: str, default: T) -> T:
+    """Read the environment variable ``ARUNTIME_<key>`` converted to the type of ``default``.
+
+    The one place aruntime reads its settings from the environment (it never
+    writes them). Unset or empty reads as ``default``. A value that does not
+    convert raises a ``ValueError`` naming the variable.
     """
-    raw = os.environ.get(key, "")
+    name = ENV_PREFIX + key
+    raw = os.environ.get(name, "")
     if raw == "":
         return default
     try:
         return type(default)(raw)
     except ValueError:
-        raise ValueError(f"environment variable {key}={raw!r} is not a valid {type(default).__name__}") from None
+        raise ValueError(f"environment variable {name}={raw!r} is not a valid {type(default).__name__}") from None
 
 
 class _PyBuffer(ctypes.Structure):

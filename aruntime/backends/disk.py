@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from aruntime.allocator import Allocator, BufferSpec, HostAddressed
 from aruntime.buffer import Buffer
-from aruntime.device import BaseDevice, Program
+from aruntime.device import BaseDevice, Program, Window
 from aruntime.dtype import DType
 from aruntime.engine import Op
 from aruntime.errors import AllocationError, DeviceError
@@ -154,6 +154,7 @@ class DiskDevice(BaseDevice):
         vals: Sequence[int | float] = (),
         outs: Sequence[int] | None = None,
         hold: bool = False,
+        window: Window | None = None,
     ) -> Op:
         """Always a :class:`DeviceError`: a DISK device runs no kernels."""
         raise DeviceError(

@@ -12,8 +12,8 @@ def register(subparsers: Any) -> None:
     """Add the ``profile`` command (with ``view`` and ``summary``) to ``aruntime``'s subparsers."""
     parser = subparsers.add_parser(
         "profile",
-        help="view or summarize a profile trace (record one with PROFILE=1)",
-        description="Work with Chrome traces written by PROFILE=1 or aruntime.profile().",
+        help="view or summarize a profile trace (record one with ARUNTIME_PROFILE=1)",
+        description="Work with Chrome traces written by ARUNTIME_PROFILE=1 or aruntime.profile().",
     )
     sub = parser.add_subparsers(dest="profile_command", required=True)
 
