@@ -219,11 +219,12 @@ async def run_pipeline(config: DemoConfig, on_batch: Any = None) -> DemoResult:
                 d = index % n_dev
                 x, y, s = slots[d][(index // n_dev) % config.slots]
                 piece = source.view(batch_bytes, dtypes.uint8, index * batch_bytes)
-                await sched.transfer(x, piece)
-                await sched.launch(progs[d], y, s, x, vals=(config.batch_rows, config.cols))
-                out_op = await sched.copyout(y)
-                sum_op = await sched.copyout(s)
+                sched.transfer(x, piece)
+                sched.launch(progs[d], y, s, x, vals=(config.batch_rows, config.cols))
+                out_op = sched.copyout(y)
+                sum_op = sched.copyout(s)
                 await send.send((index, out_op, sum_op))
+                await sched.room()
     seconds = time.perf_counter() - start
     trace = await anyio.to_thread.run_sync(prof.save, config.out_dir / "trace.json")  # file writes: off the loop
     timeline = await anyio.to_thread.run_sync(write_html, trace)

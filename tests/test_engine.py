@@ -22,6 +22,7 @@ from aruntime import (
     OpError,
     SignalTimeout,
     dtypes,
+    transfer,
 )
 from aruntime.device import BaseDevice, Program
 from aruntime.engine import CommandQueue, Op
@@ -384,7 +385,7 @@ async def test_bytes_of_a_failed_write_stay_invalid_until_written_again() -> Non
     with pytest.raises(DependencyError, match="depends on producer, which failed"):
         await dev.copyout(buf)  # reads what the failed op should have written
     with pytest.raises(DependencyError, match="producer"):
-        await dev.transfer(other, buf)
+        await transfer(other, buf)
     with pytest.raises(DependencyError, match="producer"):
         await dev.copyout(other)  # the transfer that should have written it failed in turn
     await dev.copyin(buf, b"k" * 16)  # a write makes the bytes valid again

@@ -79,7 +79,7 @@ async def test_graph_across_devices_with_transfer_and_scheduler() -> None:
     graph.copyout(yb, "y")
     graph.copyout(ya, "mid")
     async with Scheduler() as sched:
-        runs = [await sched.replay(graph, x=floats(k)) for k in range(10)]
+        runs = [sched.replay(graph, x=floats(k)) for k in range(10)]
     for k, run in enumerate(runs):
         result = await run
         assert values(result["y"]) == {6.0 * k} and values(result["mid"]) == {2.0 * k}
