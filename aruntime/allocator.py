@@ -77,7 +77,7 @@ class Allocator(Generic[H]):
 class LRUAllocator(Allocator[H]):
     """Keeps freed handles keyed by (size, spec) and hands them out again.
 
-    ``nolru`` in the spec, or ``LRU=0`` in the environment when the allocator is
+    ``nolru`` in the spec, or ``ARUNTIME_LRU=0`` in the environment when the allocator is
     made (the device opens), frees at once. When
     the backend runs out of memory, the whole cache is really freed and the
     allocation retried once. Safe to use from several threads.
@@ -87,7 +87,7 @@ class LRUAllocator(Allocator[H]):
         super().__init__(device)
         self.cache: defaultdict[tuple[int, BufferSpec], list[H]] = defaultdict(list)
         self.lru = bool(getenv("LRU", 1))
-        """Whether freed handles are kept for reuse (env ``LRU``, default 1)."""
+        """Whether freed handles are kept for reuse (env ``ARUNTIME_LRU``, default 1)."""
         self._lock = threading.Lock()
 
     @property

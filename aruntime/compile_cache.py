@@ -1,6 +1,6 @@
 """Persistent on-disk compile cache: an sqlite database of raw-byte values.
 
-The database lives at ``$CACHEDB`` when that is set (a full file path), else at
+The database lives at ``$ARUNTIME_CACHEDB`` when that is set (a full file path), else at
 ``$XDG_CACHE_HOME/aruntime/cache.db`` (``XDG_CACHE_HOME`` defaulting to
 ``~/.cache``). The environment is read on every call.
 
@@ -16,7 +16,7 @@ The database lives at ``$CACHEDB`` when that is set (a full file path), else at
   refused with a :class:`~aruntime.errors.CacheError`.
 * A corrupted file is moved aside to ``<path>.corrupt-<timestamp>`` (with its
   ``-wal``/``-shm`` files) with a warning, and a fresh database is started.
-* ``CACHELEVEL=0`` disables the cache: lookups miss and stores do nothing, and no
+* ``ARUNTIME_CACHELEVEL=0`` disables the cache: lookups miss and stores do nothing, and no
   file is created.
 
 Connections are kept one per (process, thread, path): sqlite connections never
@@ -58,7 +58,7 @@ T = TypeVar("T")
 
 
 def cache_path() -> Path:
-    """The cache database file in use now: ``$CACHEDB``, else ``$XDG_CACHE_HOME/aruntime/cache.db``."""
+    """The cache database file in use now: ``$ARUNTIME_CACHEDB``, else ``$XDG_CACHE_HOME/aruntime/cache.db``."""
     override = getenv("CACHEDB", "")
     if override:
         return Path(os.path.abspath(os.path.expanduser(override)))
@@ -144,12 +144,12 @@ def _check_private(p: Path, what: str) -> os.stat_result:
     if st.st_uid != uid:
         raise CacheError(
             f"compile cache {what} {p} is owned by uid {st.st_uid}, not by the current user "
-            f"(uid {uid}); refusing to use it. Set CACHEDB to a file in a directory you own."
+            f"(uid {uid}); refusing to use it. Set ARUNTIME_CACHEDB to a file in a directory you own."
         )
     if st.st_mode & 0o022:
         raise CacheError(
             f"compile cache {what} {p} is writable by other users (mode {oct(st.st_mode & 0o777)}); "
-            f"refusing to use it. Run `chmod go-w {p}` or set CACHEDB to a private path."
+            f"refusing to use it. Run `chmod go-w {p}` or set ARUNTIME_CACHEDB to a private path."
         )
     return st
 
@@ -304,7 +304,7 @@ def _run(op: Callable[[sqlite3.Connection], T]) -> T:
 def cache_get(table: str, key: str) -> bytes | None:
     """The bytes stored under ``key`` in ``table``, or None on a miss.
 
-    A missing table is a miss; with ``CACHELEVEL=0`` everything is a miss. Raises
+    A missing table is a miss; with ``ARUNTIME_CACHELEVEL=0`` everything is a miss. Raises
     :class:`~aruntime.errors.CacheError` when the cache file is unsafe or unusable.
     """
     if not _enabled():
@@ -332,7 +332,7 @@ def cache_put(table: str, key: str, value: bytes) -> None:
     """Store the raw bytes ``value`` under ``key`` in ``table`` (replacing an old value).
 
     ``value`` must be a bytes-like object; it is stored as a BLOB, never pickled.
-    Does nothing with ``CACHELEVEL=0``. Raises :class:`~aruntime.errors.CacheError`
+    Does nothing with ``ARUNTIME_CACHELEVEL=0``. Raises :class:`~aruntime.errors.CacheError`
     when the cache file is unsafe or unusable.
     """
     data = memoryview(value).tobytes()  # TypeError for anything that is not bytes-like

@@ -6,10 +6,10 @@ A cached compile looks the source up in the persistent compile cache
 
 Environment, read at every call:
 
-* ``DISABLE_COMPILER_CACHE=1``: compile every time, never touching the cache.
-* ``ASSERT_COMPILE=1``: a cache miss raises :class:`~aruntime.errors.CacheError`
+* ``ARUNTIME_DISABLE_COMPILER_CACHE=1``: compile every time, never touching the cache.
+* ``ARUNTIME_ASSERT_COMPILE=1``: a cache miss raises :class:`~aruntime.errors.CacheError`
   instead of compiling (proves a warm cache).
-* ``CACHELEVEL=0``: the cache is off, so every lookup misses.
+* ``ARUNTIME_CACHELEVEL=0``: the cache is off, so every lookup misses.
 """
 
 from __future__ import annotations
@@ -82,10 +82,10 @@ class Compiler:
     def compile_cached(self, src: str) -> bytes:
         """:meth:`compile` through the persistent cache, keyed by ``cachekey`` and the source's SHA-256.
 
-        Without a ``cachekey`` or with ``DISABLE_COMPILER_CACHE=1`` it just
+        Without a ``cachekey`` or with ``ARUNTIME_DISABLE_COMPILER_CACHE=1`` it just
         compiles. A hit returns the stored bytes; a miss compiles and stores the
         result, or raises :class:`~aruntime.errors.CacheError` under
-        ``ASSERT_COMPILE=1``. A failed compile stores nothing.
+        ``ARUNTIME_ASSERT_COMPILE=1``. A failed compile stores nothing.
         """
         if getenv("DISABLE_COMPILER_CACHE", 0) or (table := self.cachekey) is None:
             return self.compile(src)
@@ -95,7 +95,8 @@ class Compiler:
             return hit
         if getenv("ASSERT_COMPILE", 0):
             raise CacheError(
-                f"compile cache miss for source sha256 {key} with compiler key {table!r} while ASSERT_COMPILE=1"
+                f"compile cache miss for source sha256 {key} with compiler key {table!r} "
+                "while ARUNTIME_ASSERT_COMPILE=1"
             )
         binary = memoryview(self.compile(src)).tobytes()
         cache_put(table, key, binary)

@@ -16,7 +16,7 @@ class CompileError(AruntimeError):
 
 
 class CacheError(AruntimeError):
-    """The persistent compile cache is unusable (e.g. unsafe permissions) or missed under ASSERT_COMPILE."""
+    """The persistent compile cache is unusable (e.g. unsafe permissions) or missed under ARUNTIME_ASSERT_COMPILE."""
 
 
 class AllocationError(AruntimeError, MemoryError):

@@ -383,12 +383,12 @@ def test_nolru_frees_at_once(host_frees: list[int]) -> None:
 
 
 def test_lru_0_in_the_environment_frees_at_once(monkeypatch: pytest.MonkeyPatch, host_frees: list[int]) -> None:
-    monkeypatch.setenv("LRU", "0")
+    monkeypatch.setenv("ARUNTIME_LRU", "0")
     alloc = HostAllocator("HOST-TEST")
     handle = alloc.alloc(48)
     alloc.free(handle, 48)
     assert host_frees == [handle] and alloc.cached_bytes == 0
-    monkeypatch.setenv("LRU", "1")
+    monkeypatch.setenv("ARUNTIME_LRU", "1")
     alloc = HostAllocator("HOST-TEST")
     handle = alloc.alloc(48)
     alloc.free(handle, 48)

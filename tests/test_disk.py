@@ -219,7 +219,7 @@ def test_processes_share_the_file(tmp_path: Path) -> None:
     buf.copyin(memoryview(b"from child!"))
     print(seen.decode(), Device[name].allocator.in_use)
     """
-    env = {k: v for k, v in os.environ.items() if k not in ("CPU", "NULL", "DISK")}
+    env = {k: v for k, v in os.environ.items() if k not in ("ARUNTIME_CPU", "ARUNTIME_NULL", "ARUNTIME_DISK")}
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code), str(path)], env=env, capture_output=True, text=True, timeout=60
     )

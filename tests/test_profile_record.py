@@ -1,4 +1,4 @@
-"""Recording: profile() regions, host ranges, graph replays, and PROFILE=1 at exit."""
+"""Recording: profile() regions, host ranges, graph replays, and ARUNTIME_PROFILE=1 at exit."""
 
 from __future__ import annotations
 
@@ -229,7 +229,7 @@ SCRIPT = """
 
 def test_profile_env_writes_the_trace_at_exit(tmp_path: Path) -> None:
     target = tmp_path / "out" / "run.json"
-    proc = run_script(SCRIPT, {"PROFILE": "1", "PROFILE_PATH": str(target)}, tmp_path)
+    proc = run_script(SCRIPT, {"ARUNTIME_PROFILE": "1", "ARUNTIME_PROFILE_PATH": str(target)}, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert f"wrote {target}" in proc.stderr
     assert "aruntime profile view" in proc.stderr
@@ -247,7 +247,7 @@ def test_profile_env_writes_the_trace_at_exit(tmp_path: Path) -> None:
 def test_profile_env_unset_records_nothing(tmp_path: Path) -> None:
     proc = run_script(
         SCRIPT + "\n    from aruntime.events import recorder\n    print(recorder.enabled)\n",
-        {"PROFILE": "0", "PROFILE_PATH": str(tmp_path / "no.json")},
+        {"ARUNTIME_PROFILE": "0", "ARUNTIME_PROFILE_PATH": str(tmp_path / "no.json")},
         tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
@@ -257,7 +257,7 @@ def test_profile_env_unset_records_nothing(tmp_path: Path) -> None:
 
 def test_profile_env_writes_nothing_for_a_process_that_did_nothing(tmp_path: Path) -> None:
     target = tmp_path / "idle.json"
-    proc = run_script("import aruntime\n", {"PROFILE": "1", "PROFILE_PATH": str(target)}, tmp_path)
+    proc = run_script("import aruntime\n", {"ARUNTIME_PROFILE": "1", "ARUNTIME_PROFILE_PATH": str(target)}, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert not target.exists() and "aruntime profile" not in proc.stderr
 
