@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable
 from functools import partial
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,16 @@ def typed(view: memoryview, dtype: DType) -> memoryview:
     except (TypeError, ValueError):
         return view
     return cast
+
+
+def _end_loan(root: Buffer) -> None:
+    with _counter_lock:
+        root._loans -= 1
+        then = root._after_loans if root._loans == 0 else None
+        if then is not None:
+            root._after_loans = None
+    if then is not None:
+        then()
 
 
 def _let_go(keep: object) -> None:
@@ -82,6 +93,8 @@ class Buffer:
         self._owner: BaseDevice | None = None
         self._generation = 0  # a root counts its allocations; a view records the one its handle came from
         self._keep: object = None  # what keeps external memory alive (see aruntime.from_dlpack)
+        self._loans = 0  # zero-copy exports (DLPack) of a root's memory that their consumers still hold
+        self._after_loans: Callable[[], None] | None = None  # what a free left to do once the last one ends
         if base is None:
             if offset != 0:
                 raise BufferUsageError("a base buffer has no offset; pass base= to make a view")
@@ -191,23 +204,30 @@ class Buffer:
         if self._base is not None:
             return
         self._freed = True
-        if self.spec.external_ptr is not None:  # caller-owned memory: nothing to free, let go of it once unused
-            keep, self._keep = self._keep, None
-            pending = self.log.pending()
-            if keep is not None and pending:
-                let_go = after_all(len(pending), partial(_let_go, keep))
-                for op in pending:
-                    op.when_done(let_go)
-            return
-        # what the handle came from, fixed now: the buffer may be allocated again before the release runs
-        release = partial(_release, self.allocator, handle, self.nbytes, self.spec, not self.owner.file_backed)
+        if self.spec.external_ptr is not None:  # caller-owned memory: nothing to free, let go of what keeps it
+            release: Callable[[], None] = partial(_let_go, self._keep)
+            self._keep = None
+        else:  # what the handle came from, fixed now: the buffer may be allocated again before the release runs
+            release = partial(_release, self.allocator, handle, self.nbytes, self.spec, not self.owner.file_backed)
         pending = self.log.pending()
-        if not pending:
+        with _counter_lock:
+            lent = self._loans > 0
+            one_done = after_all(len(pending) + lent, release) if pending or lent else None
+            if lent:
+                self._after_loans = one_done
+        if one_done is None:
             release()
             return
-        one_done = after_all(len(pending), release)
         for op in pending:
             op.when_done(one_done)
+
+    def _lend(self) -> Callable[[], None]:
+        """Count a zero-copy export of the root's memory; the function returned ends it (from any thread).
+        Freeing the buffer releases the memory only once every export has ended."""
+        root = self.base
+        with _counter_lock:
+            root._loans += 1
+        return partial(_end_loan, root)
 
     def __del__(self) -> None:
         if getattr(self, "_handle", None) is not None and self._base is None:
@@ -265,13 +285,13 @@ class Buffer:
         """Export the buffer as a DLPack capsule (``numpy.from_dlpack(buf)`` is a zero-copy view of it).
 
         Only buffers of host-memory devices (CPU) export; the buffer's ops still
-        running are waited for first (blocking), and the buffer stays allocated
-        while the consumer holds the memory. A 1-D tensor of ``size`` elements
-        (``size x count`` for a vector dtype).
+        running are waited for first (blocking). Freeing the buffer releases its
+        memory only once every consumer has let go of it. A 1-D tensor of
+        ``size`` elements (``size x count`` for a vector dtype), writable.
         """
         from aruntime.dlpack import export
 
-        return export(self, stream, dl_device, copy)
+        return export(self, stream, max_version, dl_device, copy)
 
     def __dlpack_device__(self) -> tuple[int, int]:
         """``(1, 0)``, DLPack's CPU device, for a buffer of host memory; an error for other buffers."""

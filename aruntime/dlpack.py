@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from aruntime.allocator import HostAllocator
@@ -48,13 +49,28 @@ class DLTensor(ctypes.Structure):
 
 
 class DLManagedTensor(ctypes.Structure):
-    pass
+    _fields_: ClassVar[list[tuple[str, Any]]] = [
+        ("dl_tensor", DLTensor),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", ctypes.c_void_p),
+    ]
 
 
-_Deleter = ctypes.CFUNCTYPE(None, ctypes.POINTER(DLManagedTensor))
-DLManagedTensor._fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _Deleter)]
+class DLPackVersion(ctypes.Structure):
+    _fields_: ClassVar[list[tuple[str, Any]]] = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
 
-_NAME = b"dltensor"
+
+class DLManagedTensorVersioned(ctypes.Structure):
+    _fields_: ClassVar[list[tuple[str, Any]]] = [
+        ("version", DLPackVersion),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", ctypes.c_void_p),
+        ("flags", ctypes.c_uint64),
+        ("dl_tensor", DLTensor),
+    ]
+
+
+_NAME, _VERSIONED = b"dltensor", b"dltensor_versioned"
 _capsule_new = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)(
     ("PyCapsule_New", ctypes.pythonapi)
 )
@@ -66,22 +82,35 @@ _capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_
     ("PyCapsule_GetPointer", ctypes.pythonapi)
 )
 
-_exported: dict[int, tuple[Any, ...]] = {}  # managed tensor address -> what it keeps alive, until its deleter runs
+# managed tensor address -> (the struct, its shape, what ends the buffer's loan), until its deleter runs
+_exported: dict[int, tuple[Any, Any, Callable[[], None]]] = {}
 _exported_lock = threading.Lock()
 
 
-def _delete(managed: Any) -> None:
-    with _exported_lock:
-        _exported.pop(ctypes.addressof(managed.contents), None)
+def _delete(managed: int | None) -> None:
+    """The deleter of every exported tensor (either struct): the consumer is done with the memory."""
+    try:
+        with _exported_lock:
+            entry = _exported.pop(managed or 0, None)
+        if entry is not None:
+            entry[2]()
+    except Exception:  # called from C, late in interpreter shutdown too: nothing to report to
+        pass
 
 
 def _capsule_gone(capsule: int) -> None:
-    if _capsule_is_valid(capsule, _NAME):  # never consumed (a consumer renames it): the producer lets go
-        _delete(ctypes.cast(_capsule_pointer(capsule, _NAME), ctypes.POINTER(DLManagedTensor)))
+    """The capsule's destructor: a capsule nobody consumed (a consumer renames it) lets its tensor go."""
+    for name in (_NAME, _VERSIONED):
+        if _capsule_is_valid(capsule, name):
+            _delete(_capsule_pointer(capsule, name))
 
 
-_deleter = _Deleter(_delete)
+_deleter = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_delete)
 _destructor = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_capsule_gone)
+# a consumer may call the deleter during the interpreter's final collection, after this module is torn down:
+# the C callbacks and the table they use must outlive it
+for _immortal in (_deleter, _destructor, _exported, _exported_lock, _delete):
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(_immortal))
 
 
 def host_address(buf: Buffer) -> int:
@@ -126,8 +155,15 @@ def _dtype(t: DLDataType) -> DType:
     raise BufferUsageError(f"DLPack: no aruntime dtype for type code {t.code} of {t.bits} bits, {t.lanes} lanes")
 
 
-def export(buf: Buffer, stream: int | None, dl_device: tuple[int, int] | None, copy: bool | None) -> object:
-    """``buf.__dlpack__()``: a capsule holding a DLManagedTensor over ``buf``'s memory."""
+def export(
+    buf: Buffer,
+    stream: int | None,
+    max_version: tuple[int, int] | None,
+    dl_device: tuple[int, int] | None,
+    copy: bool | None,
+) -> object:
+    """``buf.__dlpack__()``: a capsule holding a managed DLPack tensor over ``buf``'s memory (the versioned
+    struct when the consumer's ``max_version`` allows it, the unversioned one otherwise)."""
     address = host_address(buf)
     if stream is not None and stream != -1:
         raise BufferUsageError(f"DLPack: a CPU buffer has no streams, got stream={stream!r}")
@@ -135,21 +171,27 @@ def export(buf: Buffer, stream: int | None, dl_device: tuple[int, int] | None, c
         raise BufferUsageError(f"DLPack: {buf!r} is on the host (device (1, 0)), not {dl_device!r}")
     if copy:
         raise BufferUsageError("DLPack: a buffer exports its own memory only (copy=True is not supported)")
+    dtype = _code(buf.dtype)
     buf._wait_idle()  # what is in flight on it is done before anyone reads it
+    versioned = max_version is not None and max_version[0] >= 1
+    managed: Any = DLManagedTensorVersioned() if versioned else DLManagedTensor()
+    if versioned:
+        managed.version = DLPackVersion(1, 0)
+        managed.flags = 0  # writable, not a copy
     shape = (ctypes.c_int64 * 2)(buf.size, buf.dtype.count)
-    managed = DLManagedTensor()
     tensor = managed.dl_tensor
     tensor.data = address
     tensor.device = DLDevice(CPU, 0)
     tensor.ndim = 2 if buf.dtype.count > 1 else 1
-    tensor.dtype = _code(buf.dtype)
+    tensor.dtype = dtype
     tensor.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
     tensor.strides = None  # C-contiguous
     tensor.byte_offset = 0
-    managed.deleter = _deleter
+    managed.deleter = ctypes.cast(_deleter, ctypes.c_void_p)
+    key = ctypes.addressof(managed)
     with _exported_lock:
-        _exported[ctypes.addressof(managed)] = (buf.base, buf, managed, shape)
-    return _capsule_new(ctypes.addressof(managed), _NAME, ctypes.cast(_destructor, ctypes.c_void_p))
+        _exported[key] = (managed, shape, buf._lend())
+    return _capsule_new(key, _VERSIONED if versioned else _NAME, ctypes.cast(_destructor, ctypes.c_void_p))
 
 
 def from_dlpack(obj: Any, device: str | None = None) -> Buffer:
@@ -175,9 +217,9 @@ def from_dlpack(obj: Any, device: str | None = None) -> Buffer:
         capsule = obj.__dlpack__()
     except (BufferError, TypeError, ValueError) as exc:
         raise BufferUsageError(f"from_dlpack: {type(obj).__name__} refused to export: {exc}") from None
+    if not _capsule_is_valid(id(capsule), _NAME):
+        raise BufferUsageError(f"from_dlpack: {type(obj).__name__}.__dlpack__() gave no unused DLPack tensor")
     pointer = _capsule_pointer(id(capsule), _NAME)
-    if not pointer:
-        raise BufferUsageError("from_dlpack: the capsule is not an unused DLPack tensor")
     tensor = DLManagedTensor.from_address(pointer).dl_tensor
     shape = [tensor.shape[i] for i in range(tensor.ndim)]
     if tensor.strides:
