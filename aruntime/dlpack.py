@@ -222,6 +222,9 @@ def from_dlpack(obj: Any, device: str | None = None) -> Buffer:
     pointer = _capsule_pointer(id(capsule), _NAME)
     tensor = DLManagedTensor.from_address(pointer).dl_tensor
     shape = [tensor.shape[i] for i in range(tensor.ndim)]
+    size = math.prod(shape)
+    if size == 0:
+        raise BufferUsageError(f"from_dlpack: {type(obj).__name__} is empty")
     if tensor.strides:
         expected, contiguous = 1, True
         for i in reversed(range(tensor.ndim)):
@@ -233,9 +236,6 @@ def from_dlpack(obj: Any, device: str | None = None) -> Buffer:
     if tensor.dtype.lanes != 1:
         raise BufferUsageError(f"from_dlpack: vector elements ({tensor.dtype.lanes} lanes) are not supported")
     dtype = _dtype(tensor.dtype)
-    size = math.prod(shape)
-    if size == 0:
-        raise BufferUsageError(f"from_dlpack: {type(obj).__name__} is empty")
     buf = Buffer(dev.name, size, dtype)
     buf.allocate(external_ptr=int(tensor.data or 0) + int(tensor.byte_offset))
     buf._keep = capsule  # its destructor lets the producer go once the buffer does
