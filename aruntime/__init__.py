@@ -5,7 +5,7 @@ device has a compute and a copy engine whose work overlaps, ordered only by
 the buffers each op reads and writes.
 """
 
-from aruntime._version import __version__
+from aruntime._version import __version__ as __version__
 from aruntime.allocator import BufferSpec
 from aruntime.batching import Batcher
 from aruntime.buffer import Buffer, BufferScope
@@ -56,7 +56,6 @@ __all__ = [
     "Scheduler",
     "SchedulerFull",
     "SignalTimeout",
-    "__version__",
     "dtypes",
     "from_dlpack",
     "host_range",

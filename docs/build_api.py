@@ -36,9 +36,11 @@ Generated from the docstrings by `python docs/build_api.py` (with pdoc); do not
 edit by hand. `tests/test_docs.py` fails when this page is out of date. For a
 browsable HTML version run `python docs/build_api.py --html site/`.
 
-The names most programs need are importable from `aruntime` itself; the
-scheduler is `aruntime.scheduler.Scheduler`, graphs are `aruntime.graph.Graph`
-and the batcher is `aruntime.batching.Batcher`.
+The names most programs need are importable from `aruntime` itself
+(`Device`, `Scheduler`, `Graph`, `Param`, `Batcher`, `transfer`,
+`from_dlpack`, the errors...); they are documented below in the modules that
+define them (`aruntime.scheduler.Scheduler`, `aruntime.graph.Graph`...).
+`aruntime.__version__` is the installed version.
 """
 
 _QUALIFIED = re.compile(r"\b(?:" + PACKAGE + r"(?:\.\w+)*|collections\.abc|typing)\.(?=\w)")
