@@ -30,13 +30,13 @@ Bound = tuple[Callable[..., object], tuple[Any, ...]]
 
 
 class Window(Protocol):
-    """Where ops wait for room before they are handed to their engines (a :class:`~aruntime.scheduler.Scheduler`)."""
+    """Where ops wait for room before they are handed to their engines (a :class:`~aruntime.scheduler.Scheduler`):
+    ``_admit(ops)`` admits them now (True) or refuses them (False); ``_queue_for_room(ops, go)`` then calls
+    ``go``, from any thread, once they are admitted."""
 
-    def enter(self, ops: Sequence[Op]) -> bool:
-        """Admit ``ops`` now (True), or refuse them until :meth:`wait` is called (False)."""
+    def _admit(self, ops: Sequence[Op]) -> bool: ...
 
-    def wait(self, ops: Sequence[Op], go: Callable[[], None]) -> None:
-        """Call ``go`` (from any thread) once refused ``ops`` are admitted."""
+    def _queue_for_room(self, ops: Sequence[Op], go: Callable[[], None]) -> None: ...
 
 
 class Program:
@@ -179,7 +179,7 @@ class BaseDevice:
                 buf.log.access(buf.offset, buf.offset + buf.nbytes, True, False, op, engine, deps, inputs)
             if inputs:
                 op.inputs = inputs
-        admitted = window is None or window.enter((op,))
+        admitted = window is None or window._admit((op,))
         if admitted and not deps:
             return engine.push(body, op)
         op.deps = deps
@@ -445,7 +445,7 @@ def dispatch_when_ready(
     for _, on_dispatch, dep in blockers:
         (dep.when_dispatched if on_dispatch else dep.when_done)(one_ready)
     if window is not None:
-        window.wait([op for _, _, op in ops], one_ready)
+        window._queue_for_room([op for _, _, op in ops], one_ready)
 
 
 def _dispatch(ops: Sequence[tuple[Engine, list[Command], Op]], mine: Collection[int]) -> None:

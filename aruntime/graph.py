@@ -423,7 +423,7 @@ class Graph:
         # all engines' parts go together, once every outside dependency is on its queue: their progress
         # waits on one another must never sit in front of an outside op they depend on
         parts = list(ops.values())
-        admitted = window is None or window.enter(parts)
+        admitted = window is None or window._admit(parts)
         dispatch_when_ready(
             [(engine, bodies[engine], ops[engine]) for engine in plan.engines], False, None if admitted else window
         )

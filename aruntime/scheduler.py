@@ -113,9 +113,9 @@ class Scheduler:
             if op.error is not None:
                 self._failed.append(op)
 
-    def enter(self, ops: Sequence[Op]) -> bool:
+    def _admit(self, ops: Sequence[Op]) -> bool:
         """Admit ``ops`` into the window now if it has room and nothing is queued (True), else False (then
-        :meth:`wait` queues them). Called by the device for each op it tracks for this scheduler."""
+        :meth:`_queue_for_room` queues them). Called by the device for each op it tracks for this scheduler."""
         with self._lock:
             if self._waiting:
                 return False
@@ -127,15 +127,17 @@ class Scheduler:
             inflight.extend(ops)
             return True
 
-    def wait(self, ops: Sequence[Op], go: Callable[[], None]) -> None:
-        """Queue ``ops`` (refused by :meth:`enter`); ``go`` is called, from any thread, once they are admitted."""
+    def _queue_for_room(self, ops: Sequence[Op], go: Callable[[], None]) -> None:
+        """Queue ``ops`` (refused by :meth:`_admit`); ``go`` is called, from any thread, once they are admitted."""
         with self._lock:
             self._waiting.append((ops, go))
             self._queued += len(ops)
         self._pump()
 
-    def _pump(self) -> None:
-        """Admit queued ops while the window has room, then watch the oldest op in flight if some are left."""
+    def _pump(self) -> Op | None:
+        """Admit queued ops while the window has room, then watch the oldest op in flight if some are left.
+
+        Returns None if an op enqueued now would be admitted at once, else the oldest op in flight."""
         ready = []
         with self._lock:
             self._retire()
@@ -145,13 +147,16 @@ class Scheduler:
                 self._queued -= len(ops)
                 inflight.extend(ops)
                 ready.append(go)
-            watch = inflight[0] if waiting and not self._watching else None
+            full = bool(waiting) or len(inflight) >= self.window  # then inflight is not empty (window >= 1)
+            oldest = inflight[0] if full else None
+            watch = oldest if waiting and not self._watching else None
             if watch is not None:
                 self._watching = True
         for go in ready:
             go()
         if watch is not None:
             watch.when_done(self._watched_done)
+        return oldest
 
     def _watched_done(self) -> None:
         with self._lock:
@@ -187,12 +192,7 @@ class Scheduler:
 
     async def room(self) -> None:
         """Wait until an op enqueued now is admitted at once: nothing queued, fewer than ``window`` in flight."""
-        while True:
-            with self._lock:
-                self._retire()
-                if not self._waiting and len(self._inflight) < self.window:
-                    return
-                oldest = self._inflight[0]
+        while (oldest := self._pump()) is not None:
             await oldest.settled()
 
     async def _wait_all(self) -> None:
