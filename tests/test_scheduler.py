@@ -8,7 +8,7 @@ from typing import Any
 import anyio
 import pytest
 
-from aruntime import Buffer, DependencyError, Device, OpError, Program, Scheduler, SchedulerFull, dtypes
+from aruntime import Buffer, DependencyError, Device, Graph, OpError, Program, Scheduler, SchedulerFull, dtypes
 from tests.kernels import ADD_ONE, SCALE, SPINS, Failing, closed_gate
 
 pytestmark = pytest.mark.anyio
@@ -256,3 +256,18 @@ async def test_a_scheduler_follows_a_device_that_was_closed_and_reopened() -> No
         after = Buffer("CPU:9", 8, preallocate=True)  # on the device opened under that name now
         await sched.copyin(after, b"abcdefgh")
         assert bytes(await sched.copyout(after)) == b"abcdefgh"
+
+
+async def test_a_replay_waits_in_the_queue_like_any_op() -> None:
+    dev, flag, gate, add, out, bufs = await _window_case("CPU:3")
+    graph = Graph()
+    graph.copyin(bufs[0], "data")
+    graph.launch(add, bufs[0], vals=(8,))
+    graph.copyout(bufs[0], "result")
+    with anyio.fail_after(10):
+        async with Scheduler(window=1) as sched:
+            sched.launch(gate, out, vals=(flag.handle, SPINS))  # fills the window
+            run = sched.replay(graph, data=bytes(range(8)))
+            assert sched.queued == len(run.ops) and not run.done()
+            await dev.copyin(flag, array.array("i", [1]))
+            assert bytes((await run)["result"]) == bytes(range(1, 9))
