@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from aruntime.buffer import Buffer
-from aruntime.device import Program
+from aruntime.device import Program, transfer
 from aruntime.engine import Engine, Op, first_failure
 from aruntime.errors import OpError, SchedulerFull
 
@@ -245,8 +245,6 @@ class Scheduler:
 
     def transfer(self, dst: Buffer, src: Buffer) -> Op:
         """Enqueue a device-to-device copy of ``src`` into ``dst`` (see :func:`aruntime.transfer`)."""
-        from aruntime.device import transfer
-
         self._check_open()
         return transfer(dst, src, window=self)
 
