@@ -74,11 +74,11 @@ def test_summary_command_prints_text_and_json(tmp_path: Path, capsys: pytest.Cap
 
 
 def test_commands_report_unreadable_traces(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["profile", "summary", str(tmp_path / "missing.json")]) == 1
+    assert main(["profile", "summary", str(tmp_path / "missing.json")]) == 2
     (tmp_path / "bad.json").write_text("{not json")
-    assert main(["profile", "view", "--no-open", str(tmp_path / "bad.json")]) == 1
+    assert main(["profile", "view", "--no-open", str(tmp_path / "bad.json")]) == 2
     err = capsys.readouterr().err
-    assert "missing.json" in err and "aruntime profile view" in err
+    assert "missing.json" in err and f"aruntime profile view: {tmp_path / 'bad.json'}: not a JSON trace" in err
 
 
 def test_view_writes_a_self_contained_page(
