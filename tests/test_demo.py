@@ -48,7 +48,7 @@ async def test_the_pipeline_reports_busy_queues_and_the_bound(tmp_path: Path) ->
     seen: list[int] = []
     result = await demo.run_pipeline(config, seen.append)
     assert result.ok and result.batches == 32 and sum(seen) == 32
-    assert result.bound_seconds > 0 and result.throughput_mb_s > 0
+    assert result.bound_seconds > 0 and result.throughput_mb_s > 0 and 0 < result.bound_cpu_share <= 1
     assert result.queues == 5  # compute and copy of CPU and CPU:1, and the disk's copy queue
     assert 0 < result.busy_queues <= result.queues
     rows = {name: (compute, copy, overlap) for name, compute, copy, overlap in result.device_rows()}
