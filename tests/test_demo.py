@@ -14,6 +14,7 @@ import pytest
 
 import aruntime.demo as demo
 from aruntime.cli import main
+from tests.bench_rows import quick_rows
 
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -170,3 +171,11 @@ def test_the_demo_needs_nothing_beyond_the_demo_extra(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "verified" in proc.stdout
+
+
+def test_the_demo_benchmark_runs_in_quick_mode() -> None:
+    rows = quick_rows("demo_vs_bound")
+    assert {row["loop"] for row in rows} == {"asyncio", "uvloop", "trio"}
+    for row in rows:
+        assert row["name"] == "demo_vs_bound" and row["unit"] == "MB/s" and row["goal"] == ">= 0.85"
+        assert 0 < row["bound_cpu_share"] <= 1 and row["batches"] == 16
