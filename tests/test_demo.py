@@ -104,6 +104,8 @@ def test_batches_option_sets_the_number_of_batches(tmp_path: Path) -> None:
         (["--size-mb", "1", "--batch-rows", "1024"], "--size-mb 1 is smaller than one batch"),
         (["--batch-rows", "100000", "--cols", "100000"], "is 9.31 GiB; at most 256 MiB"),
         (["--size-mb", str(1 << 30)], "the dataset needs 1048576 GiB but "),
+        (["--devices", "64", "--depth", "1000", "--batch-rows", "65536"], "of memory; this machine has "),
+        (["--devices", "65"], "--devices 65: at most 64"),
         (["--loop", "tornado"], "--loop must be asyncio, uvloop or trio, got 'tornado'"),
     ],
 )
