@@ -32,6 +32,7 @@ def test_demo_runs_verifies_measures_the_bound_and_writes_trace_and_timeline(tmp
     assert text.startswith("4 batches of 1 MiB (4 MB) through ") and f"on {loop}: " in text
     assert "bound on this machine: " in text and "plain threads, no runtime" in text
     assert "queues busy at once: " in text and "compute busy / copy busy: share of the run" in text
+    assert "CPU time: " in text and "s for the bound: the runtime's own work added " in text
     assert "CPU:1" in text and "DISK:" in text
     assert "verified: every batch's Adler-32" in text
     assert (out / "dataset.bin").stat().st_size == 4 << 20
@@ -50,6 +51,7 @@ async def test_the_pipeline_reports_busy_queues_and_the_bound(tmp_path: Path) ->
     result = await demo.run_pipeline(config, seen.append)
     assert result.ok and result.batches == 32 and sum(seen) == 32
     assert result.bound_seconds > 0 and result.throughput_mb_s > 0 and 0 < result.bound_cpu_share <= 1
+    assert result.cpu_seconds > 0 and result.bound_cpu_seconds > 0
     assert result.queues == 5  # compute and copy of CPU and CPU:1, and the disk's copy queue
     assert 0 < result.busy_queues <= result.queues
     rows = {name: (compute, copy, overlap) for name, compute, copy, overlap in result.device_rows()}
@@ -180,4 +182,4 @@ def test_the_demo_benchmark_runs_in_quick_mode() -> None:
     assert {row["loop"] for row in rows} == {"asyncio", "uvloop", "trio"}
     for row in rows:
         assert row["name"] == "demo_vs_bound" and row["unit"] == "MB/s" and row["goal"] == ">= 0.85"
-        assert 0 < row["bound_cpu_share"] <= 1 and row["batches"] == 16
+        assert 0 < row["bound_cpu_share"] <= 1 and row["cpu_ratio"] > 0 and row["batches"] == 16
