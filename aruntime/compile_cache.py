@@ -42,7 +42,16 @@ from typing import TypeVar
 from aruntime.errors import CacheError
 from aruntime.helpers import getenv
 
-__all__ = ["CACHE_VERSION", "cache_close", "cache_get", "cache_path", "cache_put"]
+__all__ = [
+    "CACHE_VERSION",
+    "CacheInfo",
+    "cache_clear",
+    "cache_close",
+    "cache_get",
+    "cache_info",
+    "cache_path",
+    "cache_put",
+]
 
 CACHE_VERSION = 1
 """Format version of the stored tables; it is part of every table name."""
@@ -353,3 +362,74 @@ def cache_put(table: str, key: str, value: bytes) -> None:
             raise
 
     _run(op)
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    """What :func:`cache_info` found: the database's path, its size on disk and how many entries it holds."""
+
+    path: Path
+    nbytes: int
+    entries: int
+    enabled: bool
+
+    def __str__(self) -> str:
+        where = f"compile cache: {self.path}" + ("" if self.enabled else " (off: ARUNTIME_CACHELEVEL=0)")
+        size = f"{self.nbytes / (1 << 20):.1f} MiB" if self.nbytes >= 1 << 20 else f"{self.nbytes} B"
+        held = f"{size} on disk, {self.entries} entries" if self.nbytes else "not created yet"
+        return f"{where}\n{held}\nclear it with: aruntime cache clear"
+
+
+def _files(path: Path) -> list[Path]:
+    return [p for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")) if p.exists()]
+
+
+def _tables(db: sqlite3.Connection) -> list[str]:
+    return [row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+
+
+def cache_info() -> CacheInfo:
+    """Where the compile cache is, its size on disk (with its journal files) and its entry count; creates nothing."""
+    path = cache_path()
+    nbytes = sum(p.stat().st_size for p in _files(path))
+    entries = 0
+    if path.exists():
+
+        def op(db: sqlite3.Connection) -> int:
+            return sum(int(db.execute(f'SELECT COUNT(*) FROM "{t}"').fetchone()[0]) for t in _tables(db))
+
+        entries = _run(op)
+    return CacheInfo(path, nbytes, entries, _enabled())
+
+
+def cache_clear() -> str:
+    """Delete every entry of the compile cache and shrink its file; returns a line saying what was freed.
+
+    Safe while other threads and processes use the cache: it drops the tables in
+    a transaction, so they just miss and compile again.
+    """
+    path = cache_path()
+    if not path.exists():
+        return f"compile cache {path}: nothing to clear"
+    before = sum(p.stat().st_size for p in _files(path))
+
+    def op(db: sqlite3.Connection) -> int:
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            tables = _tables(db)
+            count: int = sum(db.execute(f'SELECT COUNT(*) FROM "{t}"').fetchone()[0] for t in tables)
+            for t in tables:
+                db.execute(f'DROP TABLE "{t}"')
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    db.execute("ROLLBACK")
+            raise
+        db.execute("VACUUM")
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        return count
+
+    count = _run(op)
+    after = sum(p.stat().st_size for p in _files(path))
+    return f"compile cache {path}: cleared {count} entries, {max(before - after, 0)} bytes freed"

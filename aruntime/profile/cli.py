@@ -52,7 +52,13 @@ def run(args: argparse.Namespace) -> int:
             else:
                 print(format_summary(result, args.trace))
             return 0
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        print(
+            f"aruntime profile {args.profile_command}: {exc.filename or args.trace}: {exc.strerror or exc}",
+            file=sys.stderr,
+        )
+        return 2
+    except ValueError as exc:
         print(f"aruntime profile {args.profile_command}: {exc}", file=sys.stderr)
-        return 1
+        return 2
     raise AssertionError(f"unknown profile command {args.profile_command}")  # pragma: no cover - argparse rejects
