@@ -94,6 +94,13 @@ def _owner(buf: Buffer, what: str) -> BaseDevice:
     return dev
 
 
+def _label(steps: list[_Step]) -> str:
+    """The entries of one engine's part of a replay, for its op's name (so an error names the kernel)."""
+    names = [step.entry.name for step in steps[:4]]
+    more = f", +{len(steps) - 4} more" if len(steps) > 4 else ""
+    return ", ".join(names) + more
+
+
 def _overlaps(a: Buffer, b: Buffer) -> bool:
     return a.base is b.base and a.offset < b.offset + b.nbytes and b.offset < a.offset + a.nbytes
 
@@ -201,7 +208,7 @@ class Graph:
                     if reads and engine not in feeds[engines[i]]:
                         feeds[engines[i]].append(engine)
             waits.append(list(latest.items()))
-        progress = {e: TimelineSignal(f"graph#{self.id} {e.signal.name} progress", e.signal.timeout) for e in order}
+        progress = {e: TimelineSignal(f"Graph #{self.id} {e.signal.name} progress", e.signal.timeout) for e in order}
         needed = {e.host for e in entries if e.kind == "copyin"} | {
             v.name for e in entries for v in e.vals if isinstance(v, Param)
         }
@@ -395,7 +402,7 @@ class Graph:
     ) -> list[Op]:
         for engine in plan.engines:
             engine.check_open(f"{self!r} replay")
-        ops = {e: Op(f"graph#{self.id} replay {run_index} on {e.signal.name}", (), keep) for e in plan.engines}
+        ops = {e: Op(f"Graph #{self.id} replay {run_index} ({_label(plan.steps[e])})", (), keep) for e in plan.engines}
         deps: dict[Engine, list[Op]] = {e: [] for e in plan.engines}
         inputs: dict[Engine, list[Op]] = {e: [] for e in plan.engines}
         for engine, i, write, uses in plan.accesses:

@@ -20,6 +20,7 @@ import anyio
 from aruntime.buffer import Buffer
 from aruntime.device import Program
 from aruntime.engine import Engine, Op, first_failure
+from aruntime.errors import SignalTimeout
 
 if TYPE_CHECKING:
     from aruntime.graph import Graph, GraphRun
@@ -38,9 +39,9 @@ class Scheduler:
     """
 
     def __init__(self, window: int = 1024, drain_timeout: float = 30.0) -> None:
-        if not isinstance(window, int) or window < 1:
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             raise ValueError(f"window must be a positive int, got {window!r}")
-        if not isinstance(drain_timeout, (int, float)) or not drain_timeout > 0:
+        if not isinstance(drain_timeout, (int, float)) or isinstance(drain_timeout, bool) or not drain_timeout > 0:
             raise ValueError(f"drain_timeout must be a positive number of seconds, got {drain_timeout!r}")
         self.window = window
         self.drain_timeout = drain_timeout
@@ -139,7 +140,14 @@ class Scheduler:
             inflight = self._inflight
             self._retire()
             while len(inflight) >= self.window:
-                await inflight[0].settled()
+                oldest = inflight[0]
+                try:
+                    await oldest.settled()
+                except SignalTimeout as exc:
+                    raise SignalTimeout(
+                        f"scheduler admission: the window of {self.window} ops was full and its oldest op, "
+                        f"{oldest.name}, did not finish in time: {exc}"
+                    ) from exc
                 self._retire()
         finally:  # admitted or cancelled: leave the queue, and pass the head on
             head = queued[0] is turn

@@ -128,11 +128,12 @@ class DiskDevice(BaseDevice):
     copy_fn = staticmethod(ctypes.memmove)
     allocator: DiskAllocator
 
-    def __init__(self, name: str) -> None:
+    @classmethod
+    def check_name(cls, name: str) -> None:
+        """A DISK device is named ``DISK:PATH``: the path of its file."""
         kind, _, path = name.partition(":")
         if not path:
             raise DeviceError(f"{name}: a {kind} device needs a file path, e.g. {kind}:/path/to/file")
-        super().__init__(name)
 
     @property
     def path(self) -> str:
@@ -160,11 +161,12 @@ class DiskDevice(BaseDevice):
             f"{self.name} stores data and runs no kernels; transfer the data to a compute device such as CPU"
         )
 
-    def close(self) -> None:
-        """Stop the engines, flush the mappings and close the file."""
-        super().close()
-        self.allocator.flush()
-        self.allocator.close()
+    def _finish_close(self, settled: bool) -> None:
+        """Once closed: flush the mappings (``msync``) and close the file."""
+        super()._finish_close(settled)
+        if settled:
+            self.allocator.flush()
+            self.allocator.close()
 
 
 device_class = DiskDevice
