@@ -695,8 +695,9 @@ def _unfinished(dev: BaseDevice) -> str:
 
 def finish_at_exit() -> None:
     """At interpreter exit: wait for the work in flight on every open device (each wait bounded by the
-    device's timeout), warn naming what did not finish (it is dropped), and write file-backed devices'
-    mappings back to their files (``msync``). Registered with :mod:`atexit` on import."""
+    device's timeout), warn naming what did not finish (it is dropped) and the failures nobody awaited, and
+    write file-backed devices' mappings back to their files (``msync``). Registered with :mod:`atexit` on
+    import."""
     for dev in Device.devices():
         try:
             dev.settle_blocking()
@@ -704,6 +705,15 @@ def finish_at_exit() -> None:
             warnings.warn(
                 f"aruntime at exit: work in flight on {dev.name} did not finish and is dropped: "
                 f"{_unfinished(dev)} ({type(exc).__name__}: {exc})",
+                RuntimeWarning,
+                stacklevel=1,
+            )
+        failed = dev.compute.take_failures() + dev.copy.take_failures()
+        if failed:
+            error = first_failure(failed, "failed on it")
+            warnings.warn(
+                f"aruntime at exit: {len(failed)} op(s) on {dev.name} failed and nobody awaited them; the first: "
+                f"{error}",
                 RuntimeWarning,
                 stacklevel=1,
             )
