@@ -111,7 +111,7 @@ class BaseDevice:
 
     @timeout.setter
     def timeout(self, seconds: float) -> None:
-        if not isinstance(seconds, (int, float)) or not seconds > 0:
+        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not seconds > 0:
             raise ValueError(f"{self.name}: timeout must be a positive number of seconds, got {seconds!r}")
         self.compute.signal.timeout = self.copy.signal.timeout = float(seconds)
 
@@ -260,6 +260,15 @@ class BaseDevice:
         body: list[Command] = [(COPY, name, self.copy_fn, address, handle, nbytes)]
         return self._submit(self._copy_engine(buf, False), name, body, (buf,), (), (holder, buf), dest, hold)
 
+    def check_transfer(self, dst_dev: BaseDevice, what: str) -> None:
+        """Raise :class:`BufferUsageError` unless this device's copy engine can copy into ``dst_dev``'s buffers:
+        the same device, or both :attr:`host_mapped`."""
+        if dst_dev is not self and not (self.host_mapped and dst_dev.host_mapped):
+            raise BufferUsageError(
+                f"{what} {self.name}->{dst_dev.name}: a transfer runs between host-mapped devices (CPU, DISK), "
+                f"and {(self if not self.host_mapped else dst_dev).name} buffers are not host memory"
+            )
+
     def transfer(self, dst: Buffer, src: Buffer, hold: bool = False) -> Op:
         """Copy ``src`` (on this device) to ``dst`` (on any host-mapped device) on this device's copy engine.
 
@@ -270,11 +279,7 @@ class BaseDevice:
             raise BufferUsageError(f"transfer: expected a Buffer destination, got {type(dst).__name__}")
         dst_dev = dst.owner
         dst_handle = dst_dev._check(dst, "transfer")
-        if dst_dev is not self and not (self.host_mapped and dst_dev.host_mapped):
-            raise BufferUsageError(
-                f"transfer {self.name}->{dst_dev.name}: a transfer runs between host-mapped devices (CPU, DISK), "
-                f"and {(self if not self.host_mapped else dst_dev).name} buffers are not host memory"
-            )
+        self.check_transfer(dst_dev, "transfer")
         if dst.nbytes != src.nbytes:
             raise BufferUsageError(f"transfer: {src!r} has {src.nbytes} bytes, {dst!r} has {dst.nbytes}")
         name = f"transfer {src.nbytes} B {self.name}->{dst_dev.name}"

@@ -20,7 +20,7 @@ from typing import Any
 from aruntime.buffer import Buffer
 from aruntime.device import BaseDevice, Program, check_scalar, check_scalars, dispatch_when_ready
 from aruntime.engine import COPY, EXEC, SIGNAL, TIMESTAMP, WAIT, Command, Engine, Op, first_failure
-from aruntime.errors import BufferUsageError, DeviceError
+from aruntime.errors import BufferUsageError, DeviceError, SignalTimeout
 from aruntime.events import GraphEntry, GraphEvent, recorder
 from aruntime.helpers import after_all, pin
 from aruntime.signal import TimelineSignal
@@ -145,7 +145,7 @@ class Graph:
     def transfer(self, dst: Buffer, src: Buffer) -> None:
         """Capture a device-to-device copy on the source's copy engine."""
         dev = _owner(src, "graph transfer")
-        _owner(dst, "graph transfer")
+        dev.check_transfer(_owner(dst, "graph transfer"), "graph transfer")
         if dst.nbytes != src.nbytes:
             raise BufferUsageError(f"graph transfer: {src!r} has {src.nbytes} bytes, {dst!r} has {dst.nbytes}")
         self._add(_Entry("transfer", dev, dev.copy, f"transfer {src.nbytes} B", (src,), (dst,), nbytes=src.nbytes))
@@ -452,7 +452,10 @@ class GraphRun:
 
     async def _wait(self) -> dict[str, Any]:
         for op in self.ops:
-            await op.settled()
+            try:
+                await op.settled()
+            except SignalTimeout as exc:
+                raise SignalTimeout(f"{op.name}: {exc}") from exc
         failed = [op for op in self.ops if op.error is not None]
         if failed:
             raise first_failure(failed, "of this replay failed")

@@ -470,6 +470,16 @@ ROWS: list[Row] = [
         "expected a Program, got NoneType",
         lambda c: Graph().launch(None),
     ),
+    Row(
+        "graph.transfer",
+        "CPU -> NULL (not host memory)",
+        B,
+        "graph transfer CPU->NULL: a transfer runs between host-mapped devices",
+        lambda c: Graph().transfer(c.nullbuf, c.buf),
+    ),
+    Row(
+        "dev.timeout", "`True`", ValueError, "timeout must be a positive number", _set(lambda c: c.cpu, "timeout", True)
+    ),
     Row("graph.replay", "no entries", ValueError, "has no entries to replay", lambda c: Graph().replay()),
     Row("to_dtype", "`'float33'`", ValueError, "unknown dtype name 'float33'", lambda c: to_dtype("float33")),
     Row(
