@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import threading
@@ -239,25 +240,61 @@ class LRUAllocator(Allocator[H]):
         self._release(entries)
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
+_libc = ctypes.CDLL(None)
 _posix_memalign = _libc.posix_memalign
 _posix_memalign.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_size_t]
 _posix_memalign.restype = ctypes.c_int
 _libc_free = _libc.free
 _libc_free.argtypes = [ctypes.c_void_p]
 _libc_free.restype = None
-_mmap = _libc.mmap
-_mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_mmap.restype = ctypes.c_void_p
-_munmap = _libc.munmap
-_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_munmap.restype = ctypes.c_int
-_MAP_FAILED = ctypes.c_void_p(-1).value
 
 ALIGNMENT = 64
 MMAP_MIN = 1 << 20
 """Host allocations of at least this many bytes (env ``MMAP_MIN``) are mapped with ``mmap``, not taken from
 the malloc heap, so that freeing them gives the memory back to the operating system."""
+
+
+class Mappings(dict[int, "mmap.mmap"]):
+    """Live ``mmap`` mappings of an allocator, keyed by their host address, behind one lock.
+
+    A mapping released while zero-copy views of it (:meth:`view`) still exist is
+    unmapped when the last of them goes, so a stale view never reads unmapped memory.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+
+    def add(self, mapping: mmap.mmap) -> int:
+        """Keep ``mapping``; returns the host address of its first byte."""
+        address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))  # the temporary export goes with the anchor
+        with self.lock:
+            self[address] = mapping
+        return address
+
+    def release(self, address: int) -> bool:
+        """Close the mapping at ``address`` (or let its last view do so); False if there is none."""
+        with self.lock:
+            mapping = self.pop(address, None)
+        if mapping is None:
+            return False
+        with contextlib.suppress(BufferError):  # zero-copy views still use it: unmapped when the last one goes
+            mapping.close()
+        return True
+
+    def view(self, address: int, size: int) -> memoryview | None:
+        """A zero-copy view of ``size`` bytes at ``address`` that keeps its mapping alive, or None if they are
+        not inside one live mapping."""
+        with self.lock:
+            for start, mapping in self.items():
+                if start <= address and address + size <= start + len(mapping):
+                    return memoryview(mapping)[address - start : address - start + size]
+        return None
+
+    def live(self) -> list[mmap.mmap]:
+        """The live mappings, now."""
+        with self.lock:
+            return list(self.values())
 
 
 def host_view(address: int, size: int) -> memoryview:
@@ -284,22 +321,26 @@ class HostAllocator(HostAddressed, LRUAllocator[int]):
     """Host memory (64-byte aligned, so also 16-byte aligned); handles are addresses.
 
     Allocations of at least ``mmap_min`` bytes (env ``MMAP_MIN``, default 1 MiB,
-    read when the allocator is made) are anonymous ``mmap`` mappings (page
-    aligned), smaller ones come from ``posix_memalign``.
+    read when the allocator is made) are private anonymous ``mmap`` mappings
+    (page aligned), smaller ones come from ``posix_memalign``. A mapping freed
+    while a zero-copy view of it (:meth:`_as_buffer`) still exists is unmapped
+    when the last such view goes, so a stale view never reads unmapped memory.
     """
 
     def __init__(self, device: str) -> None:
         super().__init__(device)
         self.mmap_min = getenv("MMAP_MIN", MMAP_MIN, minimum=1)
+        self._maps = Mappings()
 
     def _alloc(self, size: int, spec: BufferSpec) -> int:
         if spec.external_ptr is not None:
             return spec.external_ptr
         if size >= self.mmap_min:
-            address = _mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
-            if address is None or address == _MAP_FAILED:
-                raise MemoryError(f"{self.device}: mapping {size} bytes failed (errno {ctypes.get_errno()})")
-            return int(address)
+            try:
+                mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+            except (OSError, OverflowError) as exc:
+                raise MemoryError(f"{self.device}: mapping {size} bytes failed: {exc}") from exc
+            return self._maps.add(mapping)
         ptr = ctypes.c_void_p()
         if _posix_memalign(ctypes.byref(ptr), ALIGNMENT, size) != 0 or not ptr.value:
             raise MemoryError(f"{self.device}: host allocation of {size} bytes failed")
@@ -308,10 +349,10 @@ class HostAllocator(HostAddressed, LRUAllocator[int]):
     def _free(self, handle: int, size: int, spec: BufferSpec) -> None:
         if spec.external_ptr is not None:
             return
-        if size >= self.mmap_min:
-            _munmap(handle, size)
-        else:
+        if size < self.mmap_min:
             _libc_free(handle)
+            return
+        self._maps.release(handle)
 
     def _as_buffer(self, handle: int, size: int) -> memoryview:
-        return host_view(handle, size)
+        return (self._maps.view(handle, size) if self._maps else None) or host_view(handle, size)

@@ -125,3 +125,16 @@ async def test_a_submission_flood_without_a_scheduler_costs_memory_per_op_and_gi
     print(f"flood of {n} ops in flight: {per_op:.0f} B of RSS per op; {(after - before) >> 10} KiB kept after")
     assert per_op < 4096  # about 600 B measured: a flood is bounded only by what the caller submits
     assert after - before < (flooded - before) // 2 + (1 << 20)  # most of it is given back
+
+
+@pytest.mark.anyio
+async def test_a_zero_copy_view_keeps_a_flushed_large_buffer_mapped() -> None:
+    dev = Device["CPU:44"]
+    buf = await dev.allocate(2 << 20)
+    await dev.copyin(buf, b"\x07" * (2 << 20))
+    view = buf.as_buffer(allow_zero_copy=True)
+    await dev.free(buf)
+    dev.flush_cache()  # really freed: the mapping stays only for the view
+    assert dev.memory_stats()["cached"] == 0
+    assert view[0] == 7 and view[-1] == 7  # reads the bytes, not unmapped memory
+    view.release()
