@@ -37,6 +37,11 @@ class BufferSpec:
     nolru: bool = False
     external_ptr: int | None = None
 
+    def __post_init__(self) -> None:
+        ptr = self.external_ptr
+        if ptr is not None and (not isinstance(ptr, int) or isinstance(ptr, bool) or ptr <= 0):
+            raise BufferUsageError(f"BufferSpec external_ptr must be a positive int address or None, got {ptr!r}")
+
 
 DEFAULT_SPEC = BufferSpec()
 """The spec of a buffer that asks for nothing special."""

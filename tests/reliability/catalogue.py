@@ -483,6 +483,20 @@ ROWS: list[Row] = [
     Row("graph.replay", "no entries", ValueError, "has no entries to replay", lambda c: Graph().replay()),
     Row("to_dtype", "`'float33'`", ValueError, "unknown dtype name 'float33'", lambda c: to_dtype("float33")),
     Row(
+        "BufferSpec(...)",
+        "`external_ptr=0`",
+        B,
+        "external_ptr must be a positive int address",
+        lambda c: BufferSpec(external_ptr=0),
+    ),
+    Row(
+        "buf.allocate",
+        "`external_ptr=-8`",
+        B,
+        "external_ptr must be a positive int address",
+        lambda c: Buffer("CPU", 8).allocate(-8),
+    ),
+    Row(
         "BufferSpec on allocate",
         "an `external_ptr` on DISK",
         DeviceError,
