@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from aruntime import BaseDevice, Buffer, BufferSpec, Device, Program, dtypes
 from aruntime.dtype import to_dtype
 from aruntime.errors import AllocationError, BufferUsageError, CompileError, DeviceError
@@ -92,6 +94,12 @@ def _compile_with(key: str, value: str) -> Callable[[Ctx], Any]:
 async def _scheduler_outside(c: Ctx) -> Any:
     sched = Scheduler()
     return await sched.copyin(c.buf, bytes(64))
+
+
+def _readonly(n: int) -> np.ndarray[Any, Any]:
+    out = np.zeros(n, dtype=np.float32)
+    out.setflags(write=False)
+    return out
 
 
 def _set(obj: Any, attr: str, value: Any) -> Callable[[Ctx], Any]:
@@ -275,6 +283,14 @@ ROWS: list[Row] = [
         "C-contiguous",
         lambda c: c.cpu.copyin(c.buf, memoryview(bytes(128))[::2]),
     ),
+    Row(
+        "dev.copyin",
+        "a non-contiguous numpy array",
+        B,
+        "C-contiguous",
+        lambda c: c.cpu.copyin(c.buf, np.arange(32, dtype=np.float32)[::2]),
+    ),
+    Row("dev.copyout", "a read-only numpy array", B, "writable", lambda c: c.cpu.copyout(c.buf, _readonly(16))),
     Row("dev.copyout", "a read-only destination (`bytes`)", B, "writable", lambda c: c.cpu.copyout(c.buf, bytes(64))),
     Row(
         "dev.copyout",
