@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 from aruntime import Buffer, Device, dtypes
-from tests.reliability.catalogue import ROWS, SCALE, Ctx, Row, documented, render
+from tests.reliability.catalogue import DOC, ROWS, SCALE, Ctx, Row, documented, render
 
 
 async def _make(workdir: Path) -> Ctx:
@@ -56,6 +56,10 @@ async def test_bad_input_gives_its_error(row: Row, ctx: Ctx) -> None:
 
 def test_the_documented_catalogue_is_the_tested_one() -> None:
     assert documented() == render(), "docs/reliability.md is out of date: run python tests/reliability/catalogue.py"
+
+
+def test_the_suite_table_counts_the_rows() -> None:
+    assert f"every row of the table above ({len(ROWS)})" in DOC.read_text()
 
 
 def test_every_row_is_distinct() -> None:
