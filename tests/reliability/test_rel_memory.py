@@ -12,12 +12,7 @@ from aruntime import Device
 from aruntime.allocator import DEFAULT_CACHE_LIMIT, MMAP_MIN, HostAllocator
 from aruntime.engine import CommandQueue, Op
 from aruntime.signal import TimelineSignal
-
-
-def rss() -> int:
-    """This process's resident set size in bytes."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
+from tests.reliability.measure import rss
 
 
 def test_the_cache_keeps_at_most_its_limit_and_evicts_the_least_recently_freed_first() -> None:

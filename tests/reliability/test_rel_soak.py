@@ -12,7 +12,7 @@ import pytest
 from aruntime import BaseDevice, Device
 from aruntime.scheduler import Scheduler
 from tests.kernels import ADD_ONE
-from tests.reliability.test_rel_memory import rss
+from tests.reliability.measure import rss
 
 NBUF = 64
 SIZE = 256
