@@ -79,8 +79,11 @@ class Buffer:
     ) -> None:
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise BufferUsageError(f"buffer size must be a positive number of elements, got {size!r}")
-        if not isinstance(dtype, DType) or dtype.itemsize <= 0:
-            raise BufferUsageError(f"buffer dtype must be a DType with a non-zero itemsize, got {dtype!r}")
+        if not dtypes.is_storable(dtype):
+            raise BufferUsageError(
+                f"buffer dtype must be a scalar or vector DType with a non-zero itemsize (not a pointer or an "
+                f"image), got {dtype!r}"
+            )
         self.device = canonicalize(device)
         self.size = size
         self.dtype = dtype

@@ -9,11 +9,15 @@ The database lives at ``$ARUNTIME_CACHEDB`` when that is set (a full file path),
   miss.
 * Keys are text, values are raw bytes stored as BLOBs. Nothing is ever pickled:
   unpickling a file's contents would run code chosen by whoever could write it.
+* Every value is stored behind its BLAKE2b checksum (32 bytes); a value whose
+  checksum does not match is deleted with a warning naming the cache file and
+  reads as a miss, so it is rebuilt, never used.
 * The journal is in WAL mode, and writers wait (busy timeout, then retries) on
   each other, so several threads and processes may use one file at once.
 * The directory is created private to the user (0700) and the file 0600. A
   directory or file that other users could write, or that another user owns, is
-  refused with a :class:`~aruntime.errors.CacheError`.
+  refused with a :class:`~aruntime.errors.CacheError` that says how to go on
+  (fix the mode, point ``ARUNTIME_CACHEDB`` elsewhere, or ``ARUNTIME_CACHELEVEL=0``).
 * A corrupted file is moved aside to ``<path>.corrupt-<timestamp>`` (with its
   ``-wal``/``-shm`` files) with a warning, and a fresh database is started.
 * ``ARUNTIME_CACHELEVEL=0`` disables the cache: lookups miss and stores do nothing, and no
@@ -47,14 +51,21 @@ __all__ = [
     "CacheInfo",
     "cache_clear",
     "cache_close",
+    "cache_delete",
     "cache_get",
     "cache_info",
     "cache_path",
     "cache_put",
 ]
 
-CACHE_VERSION = 1
-"""Format version of the stored tables; it is part of every table name."""
+CACHE_VERSION = 2
+"""Format version of the stored tables; it is part of every table name (2: values carry a checksum)."""
+_DIGEST = 32  # bytes of the BLAKE2b checksum in front of every value
+
+
+def _checksum(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=_DIGEST).digest()
+
 
 _BUSY_TIMEOUT_S = 30.0  # sqlite's own wait on a lock held by another connection
 _LOCK_DEADLINE_S = 120.0  # total time a call keeps retrying "database is locked"
@@ -76,7 +87,7 @@ def cache_path() -> Path:
 
 
 def _enabled() -> bool:
-    return getenv("CACHELEVEL", 2) > 0
+    return getenv("CACHELEVEL", 2, minimum=0) > 0
 
 
 _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9_]")
@@ -153,12 +164,14 @@ def _check_private(p: Path, what: str) -> os.stat_result:
     if st.st_uid != uid:
         raise CacheError(
             f"compile cache {what} {p} is owned by uid {st.st_uid}, not by the current user "
-            f"(uid {uid}); refusing to use it. Set ARUNTIME_CACHEDB to a file in a directory you own."
+            f"(uid {uid}); refusing to use it. Set ARUNTIME_CACHEDB to a file in a directory you own, or disable "
+            "the compile cache with ARUNTIME_CACHELEVEL=0."
         )
     if st.st_mode & 0o022:
         raise CacheError(
             f"compile cache {what} {p} is writable by other users (mode {oct(st.st_mode & 0o777)}); "
-            f"refusing to use it. Run `chmod go-w {p}` or set ARUNTIME_CACHEDB to a private path."
+            f"refusing to use it. Run `chmod go-w {p}`, set ARUNTIME_CACHEDB to a private path, or disable the "
+            "compile cache with ARUNTIME_CACHELEVEL=0."
         )
     return st
 
@@ -330,11 +343,34 @@ def cache_get(table: str, key: str) -> bytes | None:
         if row is None:
             return None
         value = row[0]
-        if not isinstance(value, bytes):  # only BLOBs are ever written
-            return None
-        return value
+        if isinstance(value, bytes) and len(value) >= _DIGEST and _checksum(value[_DIGEST:]) == value[:_DIGEST]:
+            return value[_DIGEST:]
+        db.execute(f'DELETE FROM "{name}" WHERE key = ?', (key,))
+        warnings.warn(
+            f"compile cache {cache_path()}: the value stored under {key!r} in table {name} fails its checksum; "
+            "dropped it (it is rebuilt)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return None
 
     return _run(op)
+
+
+def cache_delete(table: str, key: str) -> None:
+    """Drop whatever is stored under ``key`` in ``table`` (e.g. a binary that failed to load)."""
+    if not _enabled():
+        return
+    name = _table_name(table)
+
+    def op(db: sqlite3.Connection) -> None:
+        try:
+            db.execute(f'DELETE FROM "{name}" WHERE key = ?', (key,))
+        except sqlite3.OperationalError as e:
+            if "no such table" not in str(e):
+                raise
+
+    _run(op)
 
 
 def cache_put(table: str, key: str, value: bytes) -> None:
@@ -353,7 +389,7 @@ def cache_put(table: str, key: str, value: bytes) -> None:
         db.execute("BEGIN IMMEDIATE")
         try:
             db.execute(f'CREATE TABLE IF NOT EXISTS "{name}" (key TEXT PRIMARY KEY, value BLOB NOT NULL)')
-            db.execute(f'INSERT OR REPLACE INTO "{name}" (key, value) VALUES (?, ?)', (key, data))
+            db.execute(f'INSERT OR REPLACE INTO "{name}" (key, value) VALUES (?, ?)', (key, _checksum(data) + data))
             db.execute("COMMIT")
         except BaseException:
             if db.in_transaction:

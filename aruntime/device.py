@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib
 import importlib.metadata
 import multiprocessing
 import pkgutil
 import threading
+import warnings
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Any, ClassVar, Protocol
 
@@ -20,7 +22,7 @@ from aruntime.dtype import DType, dtypes
 from aruntime.engine import COPY, EXEC, Command, CommandQueue, CopyFn, Engine, Op, ThreadEngine, first_failure
 from aruntime.errors import BufferUsageError, DeviceError
 from aruntime.events import DependencyEvent, DeviceEvent, recorder
-from aruntime.helpers import after_all, canonicalize, getenv, pin
+from aruntime.helpers import after_all, canonicalize, getenv, is_index, pin
 
 PRIORITY = ("CUDA", "CL", "CPU")
 """Kinds tried in order for the default device (file-backed kinds and NULL are never the default)."""
@@ -85,17 +87,32 @@ class BaseDevice:
     """``copy_fn(dst, src, nbytes)`` copies between two of this device's handles (or host addresses)."""
 
     def __init__(self, name: str) -> None:
+        self.check_name(name)
         self.name = name
+        self.state = "open"
+        """``"open"``, ``"closing"`` (a close is waiting for the work in flight) or ``"closed"``."""
+        self._close_lock = threading.Lock()
         self.allocator = self.allocator_type(name)
         self.compiler = None if self.compiler_type is None else self.compiler_type()
-        timeout = float(getenv("WAIT_TIMEOUT", 30.0))
-        self.inline_copy_max: int = getenv("INLINE_COPY_MAX", 64 << 10)
+        timeout = getenv("WAIT_TIMEOUT", 30.0, minimum=0.001)
+        self.inline_copy_max: int = getenv("INLINE_COPY_MAX", 64 << 10, minimum=0)
         """Copies up to this many bytes that depend on a running kernel go on the compute queue (0: never)."""
         self.compute: Engine = self._make_engine("compute", timeout)
         self.copy: Engine = self._make_engine("copy", timeout)
 
+    @classmethod
+    def check_name(cls, name: str) -> None:
+        """Raise :class:`DeviceError` unless ``name`` (canonical) is a name of this kind: ``KIND`` or ``KIND:N``
+        with N a non-negative int. A kind that takes another argument (DISK: a path) overrides it."""
+        arg = name.partition(":")[2]
+        if not is_index(arg):
+            raise DeviceError(
+                f"invalid device name {name!r}: a {cls.kind or name.partition(':')[0]} device is named "
+                f"KIND or KIND:N with N a non-negative int, not {arg!r}"
+            )
+
     def _make_engine(self, kind: str, timeout: float) -> Engine:
-        return ThreadEngine(self.name, kind, timeout, chunk=getenv("COPY_CHUNK", 8 << 20))
+        return ThreadEngine(self.name, kind, timeout, chunk=getenv("COPY_CHUNK", 8 << 20, minimum=1))
 
     @property
     def timeout(self) -> float:
@@ -104,7 +121,7 @@ class BaseDevice:
 
     @timeout.setter
     def timeout(self, seconds: float) -> None:
-        if not isinstance(seconds, (int, float)) or not seconds > 0:
+        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not seconds > 0:
             raise ValueError(f"{self.name}: timeout must be a positive number of seconds, got {seconds!r}")
         self.compute.signal.timeout = self.copy.signal.timeout = float(seconds)
 
@@ -112,6 +129,12 @@ class BaseDevice:
         return f"<{type(self).__name__} {self.name}>"
 
     # ---- capabilities -------------------------------------------------------------------------------
+
+    @property
+    def host_mapped(self) -> bool:
+        """Whether this device's buffers are host memory (CPU, DISK): a transfer runs between two host-mapped
+        devices, or within one device; a NULL buffer is not host memory."""
+        return self.allocator.host_mapped
 
     def is_dtype_supported(self, dtype: DType) -> bool:
         """Whether kernels of this device can use ``dtype``: every dtype but bfloat16 (and its vectors) unless a
@@ -123,8 +146,19 @@ class BaseDevice:
     async def allocate(self, size: int, dtype: DType = dtypes.uint8, spec: BufferSpec | None = None) -> Buffer:
         """A new allocated buffer of ``size`` elements of ``dtype`` on this device.
 
-        A file-backed device maps the file on a worker thread (file system calls); others allocate at once.
+        ``size`` is a positive int (not a bool) and ``size * dtype.itemsize`` at most what the device can
+        address (:attr:`Allocator.max_bytes`); ``dtype`` is storable (:meth:`dtypes.is_storable`). A
+        file-backed device maps the file on a worker thread (file system calls); others allocate at once.
         """
+        self.check_usable("allocate")
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise BufferUsageError(f"allocate on {self.name}: size must be a positive int of elements, got {size!r}")
+        if not dtypes.is_storable(dtype):
+            raise BufferUsageError(
+                f"allocate on {self.name}: {dtype!r} is not a storable dtype (a scalar or vector with a size; "
+                "not void, a pointer or an image)"
+            )
+        self.allocator.check_size(size * dtype.itemsize)
         make = functools.partial(Buffer, self.name, size, dtype, spec, preallocate=True)
         return await anyio.to_thread.run_sync(make) if self.file_backed else make()
 
@@ -132,6 +166,19 @@ class BaseDevice:
         """``async with dev.buffer(size, dtype) as buf:`` allocates ``buf`` and frees it on exit (also on
         cancellation or an error), with :meth:`free`'s rule: never while an op may still use it."""
         return BufferScope(self, size, dtype, spec)
+
+    def memory_stats(self) -> dict[str, int]:
+        """This device's memory counters (see :meth:`LRUAllocator.memory_stats`): bytes ``in_use``,
+        ``peak_in_use``, ``cached`` and ``cache_limit``, and counts of allocations, cache hits, frees,
+        evictions and flushes."""
+        return self.allocator.memory_stats()
+
+    def flush_cache(self) -> None:
+        """Really free the memory this device's allocator keeps cached for reuse (large host buffers go back to
+        the operating system); live buffers are untouched."""
+        free_cache = getattr(self.allocator, "free_cache", None)
+        if free_cache is not None:
+            free_cache()
 
     async def free(self, buf: Buffer) -> None:
         """Free ``buf``. It is unusable at once; its memory is released when its in-flight ops finish.
@@ -152,7 +199,11 @@ class BaseDevice:
             raise BufferUsageError(f"{what}: expected a Buffer, got {type(buf).__name__}")
         if buf.device != self.name:
             raise BufferUsageError(f"{what}: {buf!r} belongs to {buf.device}, not {self.name}")
-        return buf.handle  # raises if unallocated or freed
+        handle = buf.handle  # raises if unallocated or freed
+        owner = buf.base._owner
+        if owner is not self and owner is not None:
+            raise BufferUsageError(f"{what}: {buf!r} was allocated on a {self.name} that has been closed")
+        return handle
 
     def _submit(
         self,
@@ -168,6 +219,8 @@ class BaseDevice:
     ) -> Op:
         """Track the op's hazards and hand it to ``engine`` (see :func:`dispatch_when_ready`); through
         ``window`` (held, as with ``hold``) once it admits the op."""
+        if self.state != "open":
+            self.check_usable(name)
         engine.check_open(name)  # before the hazard logs learn of an op that would never run
         op = Op(name, (), keep, result)
         deps: list[Op] = []
@@ -237,6 +290,15 @@ class BaseDevice:
         engine = self._copy_engine(buf, False)
         return self._submit(engine, name, body, (buf,), (), (holder, buf), dest, hold, window)
 
+    def check_transfer(self, dst_dev: BaseDevice, what: str) -> None:
+        """Raise :class:`BufferUsageError` unless this device's copy engine can copy into ``dst_dev``'s buffers:
+        the same device, or both :attr:`host_mapped`."""
+        if dst_dev is not self and not (self.host_mapped and dst_dev.host_mapped):
+            raise BufferUsageError(
+                f"{what} {self.name}->{dst_dev.name}: a transfer runs between host-mapped devices (CPU, DISK), "
+                f"and {(self if not self.host_mapped else dst_dev).name} buffers are not host memory"
+            )
+
     def _transfer(self, dst: Buffer, src: Buffer, hold: bool, window: Window | None) -> Op:
         """:func:`transfer` from this device, the source's."""
         src_handle = self._check(src, "transfer")
@@ -244,6 +306,7 @@ class BaseDevice:
             raise BufferUsageError(f"transfer: expected a Buffer destination, got {type(dst).__name__}")
         dst_dev = dst.owner
         dst_handle = dst_dev._check(dst, "transfer")
+        self.check_transfer(dst_dev, "transfer")
         if dst.nbytes != src.nbytes:
             raise BufferUsageError(f"transfer: {src!r} has {src.nbytes} bytes, {dst!r} has {dst.nbytes}")
         name = f"transfer {src.nbytes} B {self.name}->{dst_dev.name}"
@@ -257,14 +320,17 @@ class BaseDevice:
         """
         if not isinstance(src, str) or not isinstance(name, str):
             raise TypeError("compile: src and name must be str")
+        if not (name.isidentifier() and name.isascii()):
+            raise ValueError(f"compile on {self.name}: kernel name {name!r} is not a C identifier")
         if outs is not None:
             outs = _indices(f"compile {name}", outs)
+        self.check_usable(f"compile {name}")
         if self.compiler is None:
             raise DeviceError(f"{self.name} has no compiler")
         compiler = self.compiler
 
         def build() -> Program:
-            return self.program_type(self, name, compiler.compile_cached(src), outs)
+            return compiler.compile_cached(src, load=lambda lib: self.program_type(self, name, lib, outs))
 
         return await anyio.to_thread.run_sync(build)
 
@@ -352,13 +418,82 @@ class BaseDevice:
 
         return DeviceEvent(self.name, engine_offset(self.compute), engine_offset(self.copy))
 
-    def close(self) -> None:
-        """Wait for the work submitted so far (held ops included), stop the engines and forget the device:
-        ``Device[name]`` opens a new one, and this one refuses new work with a :class:`DeviceError`."""
-        self.settle_blocking()
+    # ---- closing ------------------------------------------------------------------------------------
+
+    def check_usable(self, what: str) -> None:
+        """Raise :class:`DeviceError` naming ``what`` unless this device is open."""
+        if self.state != "open":
+            raise DeviceError(
+                f"{what}: {self.name} is {self.state}; Device[{self.name!r}] opens a new device of that name"
+            )
+
+    def _begin_close(self) -> bool:
+        """Move open -> closing; False if already closed. Refused from this device's own engine threads."""
+        for engine in (self.compute, self.copy):
+            if getattr(engine, "_thread", None) is threading.current_thread():
+                raise DeviceError(
+                    f"close {self.name}: called on its own {engine.signal.name} thread (from a kernel or an "
+                    "op callback), which would wait for itself; close it from another thread or task"
+                )
+        with self._close_lock:
+            if self.state == "closed":
+                return False
+            if self.state == "closing":
+                raise DeviceError(f"close {self.name}: another close of it is already waiting")
+            self.state = "closing"
+            return True
+
+    def _finish_close(self, settled: bool) -> None:
+        """closing -> closed once the work in flight is done (stop the engines, free the cache, forget the
+        device); closing -> open when the wait failed, so the device stays usable."""
+        if not settled:
+            self.state = "open"
+            return
         self.compute.close()
         self.copy.close()
+        self.flush_cache()
+        self.state = "closed"
         Device.forget(self)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for the work submitted so far (held ops included), stop the engines and forget the device.
+
+        For threads; async code uses :meth:`aclose`. Afterwards ``Device[name]`` opens a new device, and this one
+        refuses new work (ops, ``allocate``, ``compile``) with a :class:`DeviceError`. If the wait does not pass
+        within ``timeout`` seconds (default: the device's :attr:`timeout`), the :class:`SignalTimeout` is raised
+        and the device stays open and usable. Closing a closed device does nothing; closing from one of the
+        device's own engine threads (a kernel) is a :class:`DeviceError`.
+        """
+        if not self._begin_close():
+            return
+        settled = False
+        try:
+            self.settle_blocking(timeout)
+            settled = True
+        finally:
+            self._finish_close(settled)
+
+    async def aclose(self) -> None:
+        """:meth:`close` for async code: waits for the work in flight without blocking the loop (bounded by
+        the device's :attr:`timeout`; a timeout leaves it open), then stops the engines on a worker thread.
+        If the awaiting task is cancelled, the device stays open."""
+        if not self._begin_close():
+            return
+        settled = False
+        try:
+            await self.settle()
+            settled = True
+        finally:
+            if settled:
+                await anyio.to_thread.run_sync(self._finish_close, True, abandon_on_cancel=False)
+            else:
+                self._finish_close(False)
+
+    async def __aenter__(self) -> BaseDevice:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
 
 
 def check_scalars(what: str, vals: object, skip: type | None = None) -> None:
@@ -596,3 +731,48 @@ def is_dtype_supported(dtype: DType, device: str | None = None) -> bool:
     if not isinstance(dtype, DType):
         raise TypeError(f"is_dtype_supported: expected a DType, got {type(dtype).__name__}")
     return Device[device].is_dtype_supported(dtype)
+
+
+def _unfinished(dev: BaseDevice) -> str:
+    """What is still in flight on ``dev``'s queues, for a warning."""
+    parts = []
+    for engine in (dev.compute, dev.copy):
+        running = max(0, engine.last - engine.signal.value)
+        held = sorted(op.name for op in tuple(engine.held))
+        if running or held:
+            names = f" ({', '.join(held[:5])}{', ...' if len(held) > 5 else ''})" if held else ""
+            parts.append(f"{engine.signal.name}: {running} op(s) submitted and {len(held)} held{names}")
+    return "; ".join(parts) or "nothing"
+
+
+def finish_at_exit() -> None:
+    """At interpreter exit: wait for the work in flight on every open device (each wait bounded by the
+    device's timeout), warn naming what did not finish (it is dropped) and the failures nobody awaited, and
+    write file-backed devices' mappings back to their files (``msync``). Registered with :mod:`atexit` on
+    import."""
+    for dev in Device.devices():
+        try:
+            dev.settle_blocking()
+        except Exception as exc:
+            warnings.warn(
+                f"aruntime at exit: work in flight on {dev.name} did not finish and is dropped: "
+                f"{_unfinished(dev)} ({type(exc).__name__}: {exc})",
+                RuntimeWarning,
+                stacklevel=1,
+            )
+        failed = dev.compute.take_failures() + dev.copy.take_failures()
+        if failed:
+            error = first_failure(failed, "failed on it")
+            warnings.warn(
+                f"aruntime at exit: {len(failed)} op(s) on {dev.name} failed and nobody awaited them; the first: "
+                f"{error}",
+                RuntimeWarning,
+                stacklevel=1,
+            )
+        if dev.file_backed:
+            flush = getattr(dev.allocator, "flush", None)
+            if flush is not None:
+                flush()
+
+
+atexit.register(finish_at_exit)

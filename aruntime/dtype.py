@@ -330,6 +330,12 @@ class dtypes:
         return x.scalar() in dtypes.uints
 
     @staticmethod
+    def is_storable(x: object) -> builtins.bool:
+        """Whether a buffer can hold elements of ``x``: a scalar or vector dtype with a size (not void, not a
+        pointer, not an image; an image's layout goes in the buffer's spec)."""
+        return isinstance(x, DType) and not isinstance(x, (PtrDType, ImageDType)) and x.itemsize > 0
+
+    @staticmethod
     def from_py(x: Any) -> DType:
         """The dtype of a Python value.
 

@@ -20,7 +20,7 @@ from typing import Any
 from aruntime.buffer import Buffer, typed
 from aruntime.device import BaseDevice, Program, Window, check_scalar, check_scalars, dispatch_when_ready
 from aruntime.engine import COPY, EXEC, SIGNAL, TIMESTAMP, WAIT, Command, Engine, Op, first_failure
-from aruntime.errors import BufferUsageError, DeviceError
+from aruntime.errors import BufferUsageError, DeviceError, SignalTimeout
 from aruntime.events import GraphEntry, GraphEvent, recorder
 from aruntime.helpers import after_all, pin
 from aruntime.signal import TimelineSignal
@@ -94,6 +94,13 @@ def _owner(buf: Buffer, what: str) -> BaseDevice:
     return dev
 
 
+def _label(steps: list[_Step]) -> str:
+    """The entries of one engine's part of a replay, for its op's name (so an error names the kernel)."""
+    names = [step.entry.name for step in steps[:4]]
+    more = f", +{len(steps) - 4} more" if len(steps) > 4 else ""
+    return ", ".join(names) + more
+
+
 def _overlaps(a: Buffer, b: Buffer) -> bool:
     return a.base is b.base and a.offset < b.offset + b.nbytes and b.offset < a.offset + a.nbytes
 
@@ -139,7 +146,7 @@ class Graph:
         """Capture a copy of ``src`` into ``dst`` on the source device's copy engine (see
         :func:`aruntime.transfer`)."""
         dev = _owner(src, "graph transfer")
-        _owner(dst, "graph transfer")
+        dev.check_transfer(_owner(dst, "graph transfer"), "graph transfer")
         if dst.nbytes != src.nbytes:
             raise BufferUsageError(f"graph transfer: {src!r} has {src.nbytes} bytes, {dst!r} has {dst.nbytes}")
         self._add(_Entry("transfer", dev, dev.copy, f"transfer {src.nbytes} B", (src,), (dst,), nbytes=src.nbytes))
@@ -202,7 +209,7 @@ class Graph:
                     if reads and engine not in feeds[engines[i]]:
                         feeds[engines[i]].append(engine)
             waits.append(list(latest.items()))
-        progress = {e: TimelineSignal(f"graph#{self.id} {e.signal.name} progress", e.signal.timeout) for e in order}
+        progress = {e: TimelineSignal(f"Graph #{self.id} {e.signal.name} progress", e.signal.timeout) for e in order}
         needed = {e.host for e in entries if e.kind == "copyin"} | {
             v.name for e in entries for v in e.vals if isinstance(v, Param)
         }
@@ -407,7 +414,7 @@ class Graph:
     ) -> list[Op]:
         for engine in plan.engines:
             engine.check_open(f"{self!r} replay")
-        ops = {e: Op(f"graph#{self.id} replay {run_index} on {e.signal.name}", (), keep) for e in plan.engines}
+        ops = {e: Op(f"Graph #{self.id} replay {run_index} ({_label(plan.steps[e])})", (), keep) for e in plan.engines}
         deps: dict[Engine, list[Op]] = {e: [] for e in plan.engines}
         inputs: dict[Engine, list[Op]] = {e: [] for e in plan.engines}
         for engine, i, write, uses in plan.accesses:
@@ -461,7 +468,10 @@ class GraphRun:
 
     async def _wait(self) -> dict[str, Any]:
         for op in self.ops:
-            await op.settled()
+            try:
+                await op.settled()
+            except SignalTimeout as exc:
+                raise SignalTimeout(f"{op.name}: {exc}") from exc
         failed = [op for op in self.ops if op.error is not None]
         if failed:
             raise first_failure(failed, "of this replay failed")

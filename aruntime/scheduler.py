@@ -25,7 +25,7 @@ import anyio
 from aruntime.buffer import Buffer
 from aruntime.device import Program, transfer
 from aruntime.engine import Engine, Op, first_failure
-from aruntime.errors import OpError, SchedulerFull
+from aruntime.errors import OpError, SchedulerFull, SignalTimeout
 
 if TYPE_CHECKING:
     from aruntime.graph import Graph, GraphRun
@@ -57,7 +57,7 @@ class Scheduler:
             raise ValueError(f"window must be a positive int, got {window!r}")
         if not isinstance(queue, int) or isinstance(queue, bool) or queue < 0:
             raise ValueError(f"queue must be a non-negative int, got {queue!r}")
-        if not isinstance(drain_timeout, (int, float)) or not drain_timeout > 0:
+        if not isinstance(drain_timeout, (int, float)) or isinstance(drain_timeout, bool) or not drain_timeout > 0:
             raise ValueError(f"drain_timeout must be a positive number of seconds, got {drain_timeout!r}")
         self.window = window
         self.queue = queue
@@ -193,7 +193,13 @@ class Scheduler:
     async def room(self) -> None:
         """Wait until an op enqueued now is admitted at once: nothing queued, fewer than ``window`` in flight."""
         while (oldest := self._pump()) is not None:
-            await oldest.settled()
+            try:
+                await oldest.settled()
+            except SignalTimeout as exc:
+                raise SignalTimeout(
+                    f"scheduler room: the window of {self.window} ops was full and its oldest op, "
+                    f"{oldest.name}, did not finish in time: {exc}"
+                ) from exc
 
     async def _wait_all(self) -> None:
         while True:

@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 when the output file is out of date")
     parser.add_argument("--html", type=Path, help="also write pdoc's HTML site into this directory")
     args = parser.parse_args(argv)
-    os.environ.pop("DEFAULT_FLOAT", None)  # module-level defaults must not depend on the caller's environment
+    os.environ.pop("ARUNTIME_DEFAULT_FLOAT", None)  # module-level defaults must not depend on the caller's environment
     text = build()
     if args.check:
         current = args.output.read_text() if args.output.exists() else ""

@@ -82,9 +82,9 @@ def test_bad_size_is_a_clear_error(size: object) -> None:
 
 
 def test_bad_dtype_and_root_offset_are_clear_errors() -> None:
-    with pytest.raises(BufferUsageError, match="dtype must be a DType"):
+    with pytest.raises(BufferUsageError, match="dtype must be a scalar or vector DType"):
         Buffer("CPU", 4, "float32")  # type: ignore[arg-type]
-    with pytest.raises(BufferUsageError, match="dtype must be a DType with a non-zero itemsize"):
+    with pytest.raises(BufferUsageError, match="dtype must be a scalar or vector DType with a non-zero itemsize"):
         Buffer("CPU", 4, dtypes.void)
     with pytest.raises(BufferUsageError, match="a base buffer has no offset"):
         Buffer("CPU", 4, offset=4)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import multiprocessing
 import os
 import pickle
@@ -78,7 +79,7 @@ def test_location_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_hit_miss_and_missing_table(db: Path) -> None:
     assert cache_get("nosuchtable", "k") is None
-    assert not db.exists() or "nosuchtable_v1" not in _tables(db)  # a get creates no table
+    assert not db.exists() or f"nosuchtable_v{CACHE_VERSION}" not in _tables(db)  # a get creates no table
     cache_put("tbl", "k1", b"one")
     assert cache_get("tbl", "k1") == b"one"
     assert cache_get("tbl", "k2") is None
@@ -113,7 +114,8 @@ def test_values_are_raw_blobs(db: Path) -> None:
         rows = con.execute(f'SELECT key, typeof(value), value FROM "blobs_v{CACHE_VERSION}"').fetchall()
     assert {(k, t) for k, t, _ in rows} == {("key", "blob"), ("ba", "blob")}
     stored = dict((k, v) for k, _, v in rows)
-    assert stored["key"] == value  # exactly the bytes, not a pickle of them
+    assert stored["key"][32:] == value  # exactly the bytes behind their checksum, not a pickle of them
+    assert stored["key"][:32] == hashlib.blake2b(value, digest_size=32).digest()
     assert stored["key"] != pickle.dumps(value)
     with pytest.raises(TypeError):
         cache_put("blobs", "s", "text")  # type: ignore[arg-type]

@@ -71,7 +71,8 @@ def fresh_default() -> Iterator[None]:
         ("cpu:0", "CPU"),
         ("Cpu:1", "CPU:1"),
         ("cpu:10", "CPU:10"),
-        ("cpu:00", "CPU:00"),
+        ("cpu:00", "CPU"),
+        ("cpu:007", "CPU:7"),
         ("null:0", "NULL"),
         ("disk:/tmp/A", "DISK:/tmp/A"),
         ("Disk:/Data/Mixed/Case.bin", "DISK:/Data/Mixed/Case.bin"),
@@ -85,7 +86,7 @@ def test_canonical_names(name: str, canonical: str) -> None:
 
 @pytest.mark.parametrize("name", ["", ":0", ":CPU", 3, b"CPU"])
 def test_malformed_names_are_clear_errors(name: object) -> None:
-    with pytest.raises(DeviceError, match=r"invalid device name .*expected KIND or KIND:ARG"):
+    with pytest.raises(DeviceError, match=r"invalid device name .*expected KIND, KIND:N with N >= 0, or KIND:ARG"):
         Device[name]  # type: ignore[index]
 
 
@@ -100,7 +101,7 @@ def test_device_opens_once_and_is_tracked() -> None:
 
 
 def test_concurrent_first_opens_give_one_device() -> None:
-    name = "NULL:registry-race"
+    name = "NULL:7103"
     assert name not in Device.opened
     barrier = threading.Barrier(8)
     got: list[object] = []

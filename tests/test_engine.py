@@ -345,7 +345,7 @@ async def test_a_closed_device_is_forgotten_and_reopens() -> None:
     last = dev.copy.last
     dev.close()
     assert "CPU:6" not in Device.opened
-    with pytest.raises(DeviceError, match="CPU:6 copy queue is closed"):
+    with pytest.raises(DeviceError, match="copyin 8 B: CPU:6 is closed"):
         dev.copyin(buf2, bytes(8))
     assert dev.copy.last == last  # the refused op took no place on the timeline
     dev.close()  # twice is harmless

@@ -73,7 +73,7 @@ async def test_a_region_records_its_ops_dependencies_and_clock_offsets(tmp_path:
 
 async def test_regions_nest_and_leave_no_events_behind() -> None:
     dev = Device["NULL"]
-    prog = await dev.compile("")
+    prog = await dev.compile("void kernel(void) {}")
     mark = len(recorder.events)
     async with profile() as outer:
         first = dev.launch(prog)
@@ -102,7 +102,7 @@ def test_a_plain_with_region_waits_for_the_work_it_submitted() -> None:
 
 async def test_a_region_keeps_its_events_when_the_block_raises() -> None:
     dev = Device["NULL"]
-    prog = await dev.compile("")
+    prog = await dev.compile("void kernel(void) {}")
     with pytest.raises(KeyError):
         async with profile() as prof:
             op = dev.launch(prog)
@@ -215,7 +215,7 @@ SCRIPT = """
 
     async def main():
         dev = Device["NULL"]
-        prog = await dev.compile("")
+        prog = await dev.compile("void kernel(void) {}")
         with host_range("submit"):
             ops = [dev.launch(prog) for _ in range(10)]
         for op in ops:
@@ -264,7 +264,7 @@ def test_profile_env_writes_nothing_for_a_process_that_did_nothing(tmp_path: Pat
 
 async def test_a_region_without_sync_neither_waits_nor_aligns_clocks() -> None:
     dev = Device["NULL"]
-    prog = await dev.compile("")
+    prog = await dev.compile("void kernel(void) {}")
     async with profile(sync=False) as prof:
         op = dev.launch(prog)
         await op
