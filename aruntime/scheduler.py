@@ -14,6 +14,7 @@ op's handle at once, and ``await handle`` is the result.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -26,6 +27,7 @@ from aruntime.buffer import Buffer
 from aruntime.device import Program, transfer
 from aruntime.engine import Engine, Op, first_failure
 from aruntime.errors import OpError, SchedulerFull, SignalTimeout
+from aruntime.helpers import after_all
 
 if TYPE_CHECKING:
     from aruntime.graph import Graph, GraphRun
@@ -164,15 +166,28 @@ class Scheduler:
         self._pump()
 
     def _drop_queued(self) -> None:
-        """Fail every queued op: it will not be handed to its engine."""
+        """Fail every queued op: it will not be handed to its engine.
+
+        Each one fails only once the ops it depends on are done: the hazard logs
+        forget an access that a newer one covers and is ordered after, so a
+        dropped op counting as done earlier would let its buffer's memory go
+        while an older op still uses it."""
         with self._lock:
             dropped, self._waiting = self._waiting, deque()
             self._queued = 0
         for ops, _ in dropped:
             for op in ops:
                 assert op.engine is not None  # held for its engine
-                op.abandon(op.engine, OpError(f"{op.name} was dropped: its scheduler closed before it was admitted"))
                 op.observed = True
+                error = OpError(f"{op.name} was dropped: its scheduler closed before it was admitted")
+                fail = functools.partial(op.abandon, op.engine, error)
+                pending = [dep for dep in op.deps if not dep.done()]
+                if not pending:
+                    fail()
+                    continue
+                one_done = after_all(len(pending), fail)
+                for dep in pending:
+                    dep.when_done(one_done)
 
     def _check_open(self) -> None:
         if not self._open:

@@ -152,6 +152,27 @@ async def test_cancelled_scope_drops_queued_ops_and_waits_for_running() -> None:
     assert bytes(await dev.copyout(buf)) == bytes(16)
 
 
+async def test_a_dropped_op_is_done_only_after_the_ops_it_waits_for() -> None:
+    dev, flag, gate = await _gate("CPU:6")
+    out = await dev.allocate(1, dtypes.int32)
+    with anyio.fail_after(10):
+        with pytest.raises(RuntimeError, match="the pipeline failed"):
+            async with Scheduler(window=1, drain_timeout=0.1) as sched:
+                kernel = sched.launch(gate, out, vals=(flag.handle, SPINS))  # fills the window, writes out
+                dropped = sched.copyin(out, bytes(4))  # queued; the hazard log keeps it in place of the kernel
+                raise RuntimeError("the pipeline failed")
+        # the drain gave up on the kernel, which still writes out: the dropped copy-in must not count as done
+        # yet, or freeing out would hand its memory back while the kernel uses it
+        assert not kernel.done() and not dropped.done()
+        in_use = dev.allocator.in_use
+        out.deallocate()
+        assert dev.allocator.in_use == in_use  # released once the kernel is done, not now
+        await dev.copyin(flag, array.array("i", [1]))
+        assert await kernel is None
+        with pytest.raises(OpError, match="was dropped: its scheduler closed before it was admitted"):
+            await dropped
+
+
 async def test_many_tasks_share_one_scheduler() -> None:
     dev = Device["CPU:3"]
     prog = await dev.compile(SCALE, outs=(0,))
