@@ -5,9 +5,12 @@ device has a compute and a copy engine whose work overlaps, ordered only by
 the buffers each op reads and writes.
 """
 
+from aruntime._version import __version__ as __version__
 from aruntime.allocator import BufferSpec
-from aruntime.buffer import Buffer
-from aruntime.device import BaseDevice, Device, Program, is_dtype_supported
+from aruntime.batching import Batcher
+from aruntime.buffer import Buffer, BufferScope
+from aruntime.device import BaseDevice, Device, Program, is_dtype_supported, transfer
+from aruntime.dlpack import from_dlpack
 from aruntime.dtype import DType, dtypes
 from aruntime.engine import Op
 from aruntime.errors import (
@@ -19,17 +22,22 @@ from aruntime.errors import (
     DependencyError,
     DeviceError,
     OpError,
+    SchedulerFull,
     SignalTimeout,
 )
+from aruntime.graph import Graph, GraphRun, Param
 from aruntime.profile import Profile, host_range, install_atexit, profile
+from aruntime.scheduler import Scheduler
 
-install_atexit()  # PROFILE=1: record everything and write the trace at exit
+install_atexit()  # ARUNTIME_PROFILE=1: record everything and write the trace at exit
 
 __all__ = [
     "AllocationError",
     "AruntimeError",
     "BaseDevice",
+    "Batcher",
     "Buffer",
+    "BufferScope",
     "BufferSpec",
     "BufferUsageError",
     "CacheError",
@@ -38,13 +46,20 @@ __all__ = [
     "DependencyError",
     "Device",
     "DeviceError",
+    "Graph",
+    "GraphRun",
     "Op",
     "OpError",
+    "Param",
     "Profile",
     "Program",
+    "Scheduler",
+    "SchedulerFull",
     "SignalTimeout",
     "dtypes",
+    "from_dlpack",
     "host_range",
     "is_dtype_supported",
     "profile",
+    "transfer",
 ]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable
 from functools import partial
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from aruntime.allocator import DEFAULT_SPEC, Allocator, BufferSpec
@@ -17,6 +19,35 @@ if TYPE_CHECKING:
     from aruntime.device import BaseDevice
 
 _counter_lock = threading.Lock()
+
+
+def typed(view: memoryview, dtype: DType) -> memoryview:
+    """``view`` (bytes) cast to ``dtype``'s struct format, one row per element for a vector dtype; the byte view
+    itself for a dtype without a format :mod:`memoryview` can cast to (float16 before Python 3.12, bfloat16)."""
+    scalar = dtype.scalar()
+    fmt = scalar.fmt
+    if fmt is None or (fmt == "B" and dtype.count == 1):
+        return view
+    shape = [view.nbytes // dtype.itemsize, dtype.count] if dtype.count > 1 else [view.nbytes // scalar.itemsize]
+    try:
+        cast: memoryview = view.cast(fmt, shape)  # type: ignore[call-overload]  # fmt is a struct format character
+    except (TypeError, ValueError):
+        return view
+    return cast
+
+
+def _end_loan(root: Buffer) -> None:
+    with _counter_lock:
+        root._loans -= 1
+        then = root._after_loans if root._loans == 0 else None
+        if then is not None:
+            root._after_loans = None
+    if then is not None:
+        then()
+
+
+def _let_go(keep: object) -> None:
+    """Called once the ops on external memory are done: what held ``keep`` (this call) lets go of it."""
 
 
 def _release(allocator: Allocator[Any], handle: Any, nbytes: int, spec: BufferSpec, counted: bool) -> None:
@@ -48,8 +79,11 @@ class Buffer:
     ) -> None:
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise BufferUsageError(f"buffer size must be a positive number of elements, got {size!r}")
-        if not isinstance(dtype, DType) or dtype.itemsize <= 0:
-            raise BufferUsageError(f"buffer dtype must be a DType with a non-zero itemsize, got {dtype!r}")
+        if not dtypes.is_storable(dtype):
+            raise BufferUsageError(
+                f"buffer dtype must be a scalar or vector DType with a non-zero itemsize (not a pointer or an "
+                f"image), got {dtype!r}"
+            )
         self.device = canonicalize(device)
         self.size = size
         self.dtype = dtype
@@ -61,6 +95,9 @@ class Buffer:
         self._freed = False
         self._owner: BaseDevice | None = None
         self._generation = 0  # a root counts its allocations; a view records the one its handle came from
+        self._keep: object = None  # what keeps external memory alive (see aruntime.from_dlpack)
+        self._loans = 0  # zero-copy exports (DLPack) of a root's memory that their consumers still hold
+        self._after_loans: Callable[[], None] | None = None  # what a free left to do once the last one ends
         if base is None:
             if offset != 0:
                 raise BufferUsageError("a base buffer has no offset; pass base= to make a view")
@@ -170,17 +207,30 @@ class Buffer:
         if self._base is not None:
             return
         self._freed = True
-        if self.spec.external_ptr is not None:
-            return  # caller-owned memory: nothing to free
-        # what the handle came from, fixed now: the buffer may be allocated again before the release runs
-        release = partial(_release, self.allocator, handle, self.nbytes, self.spec, not self.owner.file_backed)
+        if self.spec.external_ptr is not None:  # caller-owned memory: nothing to free, let go of what keeps it
+            release: Callable[[], None] = partial(_let_go, self._keep)
+            self._keep = None
+        else:  # what the handle came from, fixed now: the buffer may be allocated again before the release runs
+            release = partial(_release, self.allocator, handle, self.nbytes, self.spec, not self.owner.file_backed)
         pending = self.log.pending()
-        if not pending:
+        with _counter_lock:
+            lent = self._loans > 0
+            one_done = after_all(len(pending) + lent, release) if pending or lent else None
+            if lent:
+                self._after_loans = one_done
+        if one_done is None:
             release()
             return
-        one_done = after_all(len(pending), release)
         for op in pending:
             op.when_done(one_done)
+
+    def _lend(self) -> Callable[[], None]:
+        """Count a zero-copy export of the root's memory; the function returned ends it (from any thread).
+        Freeing the buffer releases the memory only once every export has ended."""
+        root = self.base
+        with _counter_lock:
+            root._loans += 1
+        return partial(_end_loan, root)
 
     def __del__(self) -> None:
         if getattr(self, "_handle", None) is not None and self._base is None:
@@ -227,6 +277,32 @@ class Buffer:
             return view
         return self.copyout(memoryview(bytearray(self.nbytes)))
 
+    def __dlpack__(
+        self,
+        *,
+        stream: int | None = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> object:
+        """Export the buffer as a DLPack capsule (``numpy.from_dlpack(buf)`` is a zero-copy view of it).
+
+        Only buffers of host-memory devices (CPU) export; the buffer's ops still
+        running are waited for first (blocking). Freeing the buffer releases its
+        memory only once every consumer has let go of it. A 1-D tensor of
+        ``size`` elements (``size x count`` for a vector dtype), writable.
+        """
+        from aruntime.dlpack import export
+
+        return export(self, stream, max_version, dl_device, copy)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """``(1, 0)``, DLPack's CPU device, for a buffer of host memory; an error for other buffers."""
+        from aruntime.dlpack import host_address
+
+        host_address(self)
+        return (1, 0)
+
     def __reduce__(self) -> tuple[Any, ...]:
         if self._base is not None:
             args = (self.device, self.size, self.dtype, None, None, self._base, self.offset, self.is_allocated())
@@ -234,3 +310,27 @@ class Buffer:
         contents = bytes(self.as_buffer()) if self.is_allocated() else None
         spec = BufferSpec(**{**self.spec.__dict__, "external_ptr": None})
         return (Buffer, (self.device, self.size, self.dtype, spec, contents))
+
+
+class BufferScope:
+    """What :meth:`BaseDevice.buffer` returns: ``async with`` it to hold a buffer for the block."""
+
+    def __init__(self, device: BaseDevice, size: int, dtype: DType, spec: BufferSpec | None) -> None:
+        self.device = device
+        self.size = size
+        self.dtype = dtype
+        self.spec = spec
+        self.buffer: Buffer | None = None
+
+    async def __aenter__(self) -> Buffer:
+        if self.buffer is not None:
+            raise BufferUsageError("this buffer scope is already in use")
+        self.buffer = await self.device.allocate(self.size, self.dtype, self.spec)
+        return self.buffer
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        buf, self.buffer = self.buffer, None
+        if buf is not None and buf.is_allocated():  # the block may have freed it already
+            await self.device.free(buf)  # unusable now, released once its ops are done, even if this is cancelled

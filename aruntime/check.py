@@ -26,13 +26,18 @@ DOUBLE_SOURCES = {
 
 @dataclass(frozen=True)
 class KindResult:
-    """What ``check`` found for one device kind."""
+    """What ``check`` found for one device kind; ``kernel`` is None where the kind runs no check kernel."""
 
     kind: str
     is_default: bool
     opened: bool
-    kernel: bool
+    kernel: bool | None
     reason: str = ""
+
+    @property
+    def kernel_mark(self) -> str:
+        """``PASS``, ``FAIL``, or ``n/a`` for a kind that runs no kernels (or none ``check`` knows)."""
+        return "n/a" if self.kernel is None else "PASS" if self.kernel else "FAIL"
 
 
 async def _double(kind: str) -> list[int]:
@@ -70,13 +75,13 @@ def check_kind(kind: str, default: str | None) -> KindResult:
         cls = Device.backend(kind)
         if cls.file_backed:
             _open_file_backed(kind)
-            return KindResult(kind, is_default, True, False, "file-backed: stores data, runs no kernels")
+            return KindResult(kind, is_default, True, None, "file-backed: stores data, runs no kernels")
         dev = Device[kind]
     except Exception as exc:
         return KindResult(kind, is_default, False, False, f"open failed: {exc}")
     if kind not in DOUBLE_SOURCES:
         what = (type(dev).__doc__ or "").strip().splitlines()[0:1]
-        return KindResult(kind, is_default, True, False, " ".join(["no check kernel for this kind.", *what]))
+        return KindResult(kind, is_default, True, None, " ".join(["no check kernel for this kind.", *what]))
     try:
         got = anyio.run(_double, kind)
     except Exception as exc:
@@ -87,7 +92,7 @@ def check_kind(kind: str, default: str | None) -> KindResult:
 
 
 def run_check() -> int:
-    """Print PASS/FAIL for every kind; exit status 1 when the default device fails."""
+    """Print PASS, FAIL or n/a for every kind; exit status 1 when the default device fails."""
     try:
         default: str | None = Device.DEFAULT
     except Exception as exc:
@@ -97,7 +102,7 @@ def run_check() -> int:
     for r in results:
         mark = " (default)" if r.is_default else ""
         print(
-            f"{r.kind}{mark}: open {'PASS' if r.opened else 'FAIL'}, kernel {'PASS' if r.kernel else 'FAIL'}"
+            f"{r.kind}{mark}: open {'PASS' if r.opened else 'FAIL'}, kernel {r.kernel_mark}"
             + (f" - {r.reason}" if r.reason else "")
         )
     ok = default is not None and any(r.is_default and r.kernel for r in results)

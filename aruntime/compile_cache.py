@@ -1,6 +1,6 @@
 """Persistent on-disk compile cache: an sqlite database of raw-byte values.
 
-The database lives at ``$CACHEDB`` when that is set (a full file path), else at
+The database lives at ``$ARUNTIME_CACHEDB`` when that is set (a full file path), else at
 ``$XDG_CACHE_HOME/aruntime/cache.db`` (``XDG_CACHE_HOME`` defaulting to
 ``~/.cache``). The environment is read on every call.
 
@@ -9,14 +9,18 @@ The database lives at ``$CACHEDB`` when that is set (a full file path), else at
   miss.
 * Keys are text, values are raw bytes stored as BLOBs. Nothing is ever pickled:
   unpickling a file's contents would run code chosen by whoever could write it.
+* Every value is stored behind its BLAKE2b checksum (32 bytes); a value whose
+  checksum does not match is deleted with a warning naming the cache file and
+  reads as a miss, so it is rebuilt, never used.
 * The journal is in WAL mode, and writers wait (busy timeout, then retries) on
   each other, so several threads and processes may use one file at once.
 * The directory is created private to the user (0700) and the file 0600. A
   directory or file that other users could write, or that another user owns, is
-  refused with a :class:`~aruntime.errors.CacheError`.
+  refused with a :class:`~aruntime.errors.CacheError` that says how to go on
+  (fix the mode, point ``ARUNTIME_CACHEDB`` elsewhere, or ``ARUNTIME_CACHELEVEL=0``).
 * A corrupted file is moved aside to ``<path>.corrupt-<timestamp>`` (with its
   ``-wal``/``-shm`` files) with a warning, and a fresh database is started.
-* ``CACHELEVEL=0`` disables the cache: lookups miss and stores do nothing, and no
+* ``ARUNTIME_CACHELEVEL=0`` disables the cache: lookups miss and stores do nothing, and no
   file is created.
 
 Connections are kept one per (process, thread, path): sqlite connections never
@@ -42,10 +46,26 @@ from typing import TypeVar
 from aruntime.errors import CacheError
 from aruntime.helpers import getenv
 
-__all__ = ["CACHE_VERSION", "cache_close", "cache_get", "cache_path", "cache_put"]
+__all__ = [
+    "CACHE_VERSION",
+    "CacheInfo",
+    "cache_clear",
+    "cache_close",
+    "cache_delete",
+    "cache_get",
+    "cache_info",
+    "cache_path",
+    "cache_put",
+]
 
-CACHE_VERSION = 1
-"""Format version of the stored tables; it is part of every table name."""
+CACHE_VERSION = 2
+"""Format version of the stored tables; it is part of every table name (2: values carry a checksum)."""
+_DIGEST = 32  # bytes of the BLAKE2b checksum in front of every value
+
+
+def _checksum(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=_DIGEST).digest()
+
 
 _BUSY_TIMEOUT_S = 30.0  # sqlite's own wait on a lock held by another connection
 _LOCK_DEADLINE_S = 120.0  # total time a call keeps retrying "database is locked"
@@ -58,16 +78,16 @@ T = TypeVar("T")
 
 
 def cache_path() -> Path:
-    """The cache database file in use now: ``$CACHEDB``, else ``$XDG_CACHE_HOME/aruntime/cache.db``."""
+    """The cache database file in use now: ``$ARUNTIME_CACHEDB``, else ``$XDG_CACHE_HOME/aruntime/cache.db``."""
     override = getenv("CACHEDB", "")
     if override:
         return Path(os.path.abspath(os.path.expanduser(override)))
-    base = getenv("XDG_CACHE_HOME", "") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = os.environ.get("XDG_CACHE_HOME", "") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(os.path.abspath(os.path.join(base, "aruntime", "cache.db")))
 
 
 def _enabled() -> bool:
-    return getenv("CACHELEVEL", 2) > 0
+    return getenv("CACHELEVEL", 2, minimum=0) > 0
 
 
 _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9_]")
@@ -144,12 +164,14 @@ def _check_private(p: Path, what: str) -> os.stat_result:
     if st.st_uid != uid:
         raise CacheError(
             f"compile cache {what} {p} is owned by uid {st.st_uid}, not by the current user "
-            f"(uid {uid}); refusing to use it. Set CACHEDB to a file in a directory you own."
+            f"(uid {uid}); refusing to use it. Set ARUNTIME_CACHEDB to a file in a directory you own, or disable "
+            "the compile cache with ARUNTIME_CACHELEVEL=0."
         )
     if st.st_mode & 0o022:
         raise CacheError(
             f"compile cache {what} {p} is writable by other users (mode {oct(st.st_mode & 0o777)}); "
-            f"refusing to use it. Run `chmod go-w {p}` or set CACHEDB to a private path."
+            f"refusing to use it. Run `chmod go-w {p}`, set ARUNTIME_CACHEDB to a private path, or disable the "
+            "compile cache with ARUNTIME_CACHELEVEL=0."
         )
     return st
 
@@ -304,7 +326,7 @@ def _run(op: Callable[[sqlite3.Connection], T]) -> T:
 def cache_get(table: str, key: str) -> bytes | None:
     """The bytes stored under ``key`` in ``table``, or None on a miss.
 
-    A missing table is a miss; with ``CACHELEVEL=0`` everything is a miss. Raises
+    A missing table is a miss; with ``ARUNTIME_CACHELEVEL=0`` everything is a miss. Raises
     :class:`~aruntime.errors.CacheError` when the cache file is unsafe or unusable.
     """
     if not _enabled():
@@ -321,18 +343,41 @@ def cache_get(table: str, key: str) -> bytes | None:
         if row is None:
             return None
         value = row[0]
-        if not isinstance(value, bytes):  # only BLOBs are ever written
-            return None
-        return value
+        if isinstance(value, bytes) and len(value) >= _DIGEST and _checksum(value[_DIGEST:]) == value[:_DIGEST]:
+            return value[_DIGEST:]
+        db.execute(f'DELETE FROM "{name}" WHERE key = ?', (key,))
+        warnings.warn(
+            f"compile cache {cache_path()}: the value stored under {key!r} in table {name} fails its checksum; "
+            "dropped it (it is rebuilt)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return None
 
     return _run(op)
+
+
+def cache_delete(table: str, key: str) -> None:
+    """Drop whatever is stored under ``key`` in ``table`` (e.g. a binary that failed to load)."""
+    if not _enabled():
+        return
+    name = _table_name(table)
+
+    def op(db: sqlite3.Connection) -> None:
+        try:
+            db.execute(f'DELETE FROM "{name}" WHERE key = ?', (key,))
+        except sqlite3.OperationalError as e:
+            if "no such table" not in str(e):
+                raise
+
+    _run(op)
 
 
 def cache_put(table: str, key: str, value: bytes) -> None:
     """Store the raw bytes ``value`` under ``key`` in ``table`` (replacing an old value).
 
     ``value`` must be a bytes-like object; it is stored as a BLOB, never pickled.
-    Does nothing with ``CACHELEVEL=0``. Raises :class:`~aruntime.errors.CacheError`
+    Does nothing with ``ARUNTIME_CACHELEVEL=0``. Raises :class:`~aruntime.errors.CacheError`
     when the cache file is unsafe or unusable.
     """
     data = memoryview(value).tobytes()  # TypeError for anything that is not bytes-like
@@ -344,7 +389,7 @@ def cache_put(table: str, key: str, value: bytes) -> None:
         db.execute("BEGIN IMMEDIATE")
         try:
             db.execute(f'CREATE TABLE IF NOT EXISTS "{name}" (key TEXT PRIMARY KEY, value BLOB NOT NULL)')
-            db.execute(f'INSERT OR REPLACE INTO "{name}" (key, value) VALUES (?, ?)', (key, data))
+            db.execute(f'INSERT OR REPLACE INTO "{name}" (key, value) VALUES (?, ?)', (key, _checksum(data) + data))
             db.execute("COMMIT")
         except BaseException:
             if db.in_transaction:
@@ -353,3 +398,74 @@ def cache_put(table: str, key: str, value: bytes) -> None:
             raise
 
     _run(op)
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    """What :func:`cache_info` found: the database's path, its size on disk and how many entries it holds."""
+
+    path: Path
+    nbytes: int
+    entries: int
+    enabled: bool
+
+    def __str__(self) -> str:
+        where = f"compile cache: {self.path}" + ("" if self.enabled else " (off: ARUNTIME_CACHELEVEL=0)")
+        size = f"{self.nbytes / (1 << 20):.1f} MiB" if self.nbytes >= 1 << 20 else f"{self.nbytes} B"
+        held = f"{size} on disk, {self.entries} entries" if self.nbytes else "not created yet"
+        return f"{where}\n{held}\nclear it with: aruntime cache clear"
+
+
+def _files(path: Path) -> list[Path]:
+    return [p for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")) if p.exists()]
+
+
+def _tables(db: sqlite3.Connection) -> list[str]:
+    return [row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+
+
+def cache_info() -> CacheInfo:
+    """Where the compile cache is, its size on disk (with its journal files) and its entry count; creates nothing."""
+    path = cache_path()
+    nbytes = sum(p.stat().st_size for p in _files(path))
+    entries = 0
+    if path.exists():
+
+        def op(db: sqlite3.Connection) -> int:
+            return sum(int(db.execute(f'SELECT COUNT(*) FROM "{t}"').fetchone()[0]) for t in _tables(db))
+
+        entries = _run(op)
+    return CacheInfo(path, nbytes, entries, _enabled())
+
+
+def cache_clear() -> str:
+    """Delete every entry of the compile cache and shrink its file; returns a line saying what was freed.
+
+    Safe while other threads and processes use the cache: it drops the tables in
+    a transaction, so they just miss and compile again.
+    """
+    path = cache_path()
+    if not path.exists():
+        return f"compile cache {path}: nothing to clear"
+    before = sum(p.stat().st_size for p in _files(path))
+
+    def op(db: sqlite3.Connection) -> int:
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            tables = _tables(db)
+            count: int = sum(db.execute(f'SELECT COUNT(*) FROM "{t}"').fetchone()[0] for t in tables)
+            for t in tables:
+                db.execute(f'DROP TABLE "{t}"')
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    db.execute("ROLLBACK")
+            raise
+        db.execute("VACUUM")
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        return count
+
+    count = _run(op)
+    after = sum(p.stat().st_size for p in _files(path))
+    return f"compile cache {path}: cleared {count} entries, {max(before - after, 0)} bytes freed"

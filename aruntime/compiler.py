@@ -6,22 +6,27 @@ A cached compile looks the source up in the persistent compile cache
 
 Environment, read at every call:
 
-* ``DISABLE_COMPILER_CACHE=1``: compile every time, never touching the cache.
-* ``ASSERT_COMPILE=1``: a cache miss raises :class:`~aruntime.errors.CacheError`
+* ``ARUNTIME_DISABLE_COMPILER_CACHE=1``: compile every time, never touching the cache.
+* ``ARUNTIME_ASSERT_COMPILE=1``: a cache miss raises :class:`~aruntime.errors.CacheError`
   instead of compiling (proves a warm cache).
-* ``CACHELEVEL=0``: the cache is off, so every lookup misses.
+* ``ARUNTIME_CACHELEVEL=0``: the cache is off, so every lookup misses.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+import warnings
+from collections.abc import Callable
+from typing import TypeVar, overload
 
-from aruntime.compile_cache import cache_get, cache_put
-from aruntime.errors import CacheError
+from aruntime.compile_cache import cache_delete, cache_get, cache_path, cache_put
+from aruntime.errors import CacheError, CompileError
 from aruntime.helpers import getenv
 
-__all__ = ["Compiler"]
+T = TypeVar("T")
+
+__all__ = ["Compiler", "check_source"]
 
 _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9_]")
 
@@ -79,24 +84,65 @@ class Compiler:
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement compile()")
 
-    def compile_cached(self, src: str) -> bytes:
+    @overload
+    def compile_cached(self, src: str) -> bytes: ...
+
+    @overload
+    def compile_cached(self, src: str, load: Callable[[bytes], T]) -> T: ...
+
+    def compile_cached(self, src: str, load: Callable[[bytes], T] | None = None) -> bytes | T:
         """:meth:`compile` through the persistent cache, keyed by ``cachekey`` and the source's SHA-256.
 
-        Without a ``cachekey`` or with ``DISABLE_COMPILER_CACHE=1`` it just
-        compiles. A hit returns the stored bytes; a miss compiles and stores the
-        result, or raises :class:`~aruntime.errors.CacheError` under
-        ``ASSERT_COMPILE=1``. A failed compile stores nothing.
+        Without a ``cachekey`` or with ``ARUNTIME_DISABLE_COMPILER_CACHE=1``
+        it just compiles. A hit returns the stored bytes (their checksum verified by the
+        cache); a miss compiles and stores the result, or raises
+        :class:`~aruntime.errors.CacheError` under ``ARUNTIME_ASSERT_COMPILE=1``. A failed
+        compile stores nothing. An empty source, or one that is not UTF-8 text
+        (a lone surrogate), is a :class:`~aruntime.errors.CompileError`.
+
+        With ``load`` (e.g. what dlopens the binary) it returns ``load(binary)``.
+        A cached binary whose ``load`` raises ``OSError`` is damaged: it is
+        dropped from the cache with a warning naming the cache file, rebuilt and
+        loaded once more; a fresh binary is stored only once it has loaded.
         """
-        if getenv("DISABLE_COMPILER_CACHE", 0) or (table := self.cachekey) is None:
-            return self.compile(src)
-        key = hashlib.sha256(src.encode("utf-8", "surrogatepass")).hexdigest()
+        check_source(src)
+        if getenv("DISABLE_COMPILER_CACHE", 0, minimum=0, maximum=1) or (table := self.cachekey) is None:
+            binary = self.compile(src)
+            return binary if load is None else load(binary)
+        key = hashlib.sha256(src.encode()).hexdigest()
         hit = cache_get(table, key)
         if hit is not None:
-            return hit
-        if getenv("ASSERT_COMPILE", 0):
+            if load is None:
+                return hit
+            try:
+                return load(hit)
+            except OSError as exc:
+                cache_delete(table, key)
+                warnings.warn(
+                    f"compile cache {cache_path()}: the binary stored for source sha256 {key} (compiler key "
+                    f"{table!r}) failed to load ({exc}); dropped it and compiling again",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        if getenv("ASSERT_COMPILE", 0, minimum=0, maximum=1):
             raise CacheError(
-                f"compile cache miss for source sha256 {key} with compiler key {table!r} while ASSERT_COMPILE=1"
+                f"compile cache miss for source sha256 {key} with compiler key {table!r} "
+                "while ARUNTIME_ASSERT_COMPILE=1"
             )
         binary = memoryview(self.compile(src)).tobytes()
+        loaded = binary if load is None else load(binary)
         cache_put(table, key, binary)
-        return binary
+        return loaded
+
+
+def check_source(src: str) -> None:
+    """Raise :class:`~aruntime.errors.CompileError` naming the problem if ``src`` is empty (or only
+    whitespace) or is not encodable as UTF-8 (a lone surrogate)."""
+    if not src.strip():
+        raise CompileError("kernel source is empty")
+    try:
+        src.encode()
+    except UnicodeEncodeError as exc:
+        raise CompileError(
+            f"kernel source is not valid UTF-8 text: {exc.reason} {src[exc.start]!r} at index {exc.start}"
+        ) from None

@@ -2,26 +2,27 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib
 import importlib.metadata
 import multiprocessing
-import os
 import pkgutil
 import threading
+import warnings
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import anyio
 
-from aruntime.allocator import Allocator, BufferSpec, HostAddressed
-from aruntime.buffer import Buffer
+from aruntime.allocator import Allocator, BufferSpec
+from aruntime.buffer import Buffer, BufferScope, typed
 from aruntime.compiler import Compiler
 from aruntime.dtype import DType, dtypes
 from aruntime.engine import COPY, EXEC, Command, CommandQueue, CopyFn, Engine, Op, first_failure, make_engine
 from aruntime.errors import BufferUsageError, DeviceError
 from aruntime.events import DependencyEvent, DeviceEvent, recorder
-from aruntime.helpers import after_all, canonicalize, getenv, pin
+from aruntime.helpers import after_all, canonicalize, getenv, is_index, pin
 
 PRIORITY = ("CUDA", "CPU", "CL")
 """Kinds tried in order for the default device (file-backed kinds and NULL are never the default; CPU goes
@@ -29,6 +30,16 @@ before CL, whose only driver here, PoCL, runs on the same CPU: set CL=1 to make 
 
 Bound = tuple[Callable[..., object], tuple[Any, ...]]
 """What :meth:`Program.bind` returns: the callable an engine runs for one launch, and its arguments."""
+
+
+class Window(Protocol):
+    """Where ops wait for room before they are handed to their engines (a :class:`~aruntime.scheduler.Scheduler`):
+    ``_admit(ops)`` admits them now (True) or refuses them (False); ``_queue_for_room(ops, go)`` then calls
+    ``go``, from any thread, once they are admitted."""
+
+    def _admit(self, ops: Sequence[Op]) -> bool: ...
+
+    def _queue_for_room(self, ops: Sequence[Op], go: Callable[[], None]) -> None: ...
 
 
 class Program:
@@ -62,8 +73,9 @@ class Program:
 class BaseDevice:
     """A device: allocator, compiler, program type, a compute engine and a copy engine.
 
-    Every op method submits at once and returns an awaitable :class:`Op`;
-    dependencies between ops come from the byte ranges of the buffers they read
+    Every op method submits at once and returns the op's handle, an
+    :class:`Op`: ``await op`` is its result (the data, for a copy-out).
+    Dependencies between ops come from the byte ranges of the buffers they read
     and write, and a wait is emitted only where a hazard crosses engines.
     """
 
@@ -72,33 +84,51 @@ class BaseDevice:
     program_type: ClassVar[type[Program]] = Program
     allocator_type: ClassVar[type[Allocator[Any]]]
     compiler_type: ClassVar[type[Compiler] | None] = None
-    host_mapped: ClassVar[bool] = True
-    """Whether a host-mapped device's ``copy_fn`` can copy to this device's handles; one that is not (a remote
-    device) runs the transfers into it itself."""
+    copies_host: ClassVar[bool] = False
+    """Whether ``copy_fn`` also copies between this device's memory and host addresses (CL, CUDA): a transfer
+    between such a device and a host-mapped one runs on this device's copy engine."""
+    routes_transfers: ClassVar[bool] = False
+    """Whether this device runs every transfer into or out of it itself, whatever the other device (a remote
+    device: the bytes go between hosts)."""
     copy_fn: CopyFn
     """``copy_fn(dst, src, nbytes)`` copies between two of this device's handles (or host addresses)."""
 
     def __init__(self, name: str) -> None:
+        self.check_name(name)
         self.name = name
+        self.state = "open"
+        """``"open"``, ``"closing"`` (a close is waiting for the work in flight) or ``"closed"``."""
+        self._close_lock = threading.Lock()
         self.allocator = self.allocator_type(name)
         self.compiler = None if self.compiler_type is None else self.compiler_type()
-        timeout = float(getenv("WAIT_TIMEOUT", 30.0))
-        self.inline_copy_max: int = getenv("INLINE_COPY_MAX", 64 << 10)
+        timeout = getenv("WAIT_TIMEOUT", 30.0, minimum=0.001)
+        self.inline_copy_max: int = getenv("INLINE_COPY_MAX", 64 << 10, minimum=0)
         """Copies up to this many bytes that depend on a running kernel go on the compute queue (0: never)."""
         self.compute: Engine = self._make_engine("compute", timeout)
         self.copy: Engine = self._make_engine("copy", timeout)
 
+    @classmethod
+    def check_name(cls, name: str) -> None:
+        """Raise :class:`DeviceError` unless ``name`` (canonical) is a name of this kind: ``KIND`` or ``KIND:N``
+        with N a non-negative int. A kind that takes another argument (DISK: a path) overrides it."""
+        arg = name.partition(":")[2]
+        if not is_index(arg):
+            raise DeviceError(
+                f"invalid device name {name!r}: a {cls.kind or name.partition(':')[0]} device is named "
+                f"KIND or KIND:N with N a non-negative int, not {arg!r}"
+            )
+
     def _make_engine(self, kind: str, timeout: float) -> Engine:
-        return make_engine(self.name, kind, timeout, chunk=getenv("COPY_CHUNK", 8 << 20))
+        return make_engine(self.name, kind, timeout, chunk=getenv("COPY_CHUNK", 8 << 20, minimum=1))
 
     @property
     def timeout(self) -> float:
-        """Seconds a wait on this device's queues may take before it fails (env ``WAIT_TIMEOUT``, default 30)."""
+        """Seconds a wait on this device's queues may take before it fails (``ARUNTIME_WAIT_TIMEOUT``, default 30)."""
         return self.compute.signal.timeout
 
     @timeout.setter
     def timeout(self, seconds: float) -> None:
-        if not isinstance(seconds, (int, float)) or not seconds > 0:
+        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not seconds > 0:
             raise ValueError(f"{self.name}: timeout must be a positive number of seconds, got {seconds!r}")
         self.compute.signal.timeout = self.copy.signal.timeout = float(seconds)
 
@@ -120,6 +150,12 @@ class BaseDevice:
 
     # ---- capabilities -------------------------------------------------------------------------------
 
+    @property
+    def host_mapped(self) -> bool:
+        """Whether this device's buffers are host memory (CPU, DISK): a transfer runs between two host-mapped
+        devices, or within one device; a NULL buffer is not host memory."""
+        return self.allocator.host_mapped
+
     def is_dtype_supported(self, dtype: DType) -> bool:
         """Whether kernels of this device can use ``dtype``: every dtype but bfloat16 (and its vectors) unless a
         backend says it really supports it."""
@@ -130,10 +166,39 @@ class BaseDevice:
     async def allocate(self, size: int, dtype: DType = dtypes.uint8, spec: BufferSpec | None = None) -> Buffer:
         """A new allocated buffer of ``size`` elements of ``dtype`` on this device.
 
-        A file-backed device maps the file on a worker thread (file system calls); others allocate at once.
+        ``size`` is a positive int (not a bool) and ``size * dtype.itemsize`` at most what the device can
+        address (:attr:`Allocator.max_bytes`); ``dtype`` is storable (:meth:`dtypes.is_storable`). A
+        file-backed device maps the file on a worker thread (file system calls); others allocate at once.
         """
+        self.check_usable("allocate")
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise BufferUsageError(f"allocate on {self.name}: size must be a positive int of elements, got {size!r}")
+        if not dtypes.is_storable(dtype):
+            raise BufferUsageError(
+                f"allocate on {self.name}: {dtype!r} is not a storable dtype (a scalar or vector with a size; "
+                "not void, a pointer or an image)"
+            )
+        self.allocator.check_size(size * dtype.itemsize)
         make = functools.partial(Buffer, self.name, size, dtype, spec, preallocate=True)
         return await anyio.to_thread.run_sync(make) if self.file_backed else make()
+
+    def buffer(self, size: int, dtype: DType = dtypes.uint8, spec: BufferSpec | None = None) -> BufferScope:
+        """``async with dev.buffer(size, dtype) as buf:`` allocates ``buf`` and frees it on exit (also on
+        cancellation or an error), with :meth:`free`'s rule: never while an op may still use it."""
+        return BufferScope(self, size, dtype, spec)
+
+    def memory_stats(self) -> dict[str, int]:
+        """This device's memory counters (see :meth:`LRUAllocator.memory_stats`): bytes ``in_use``,
+        ``peak_in_use``, ``cached`` and ``cache_limit``, and counts of allocations, cache hits, frees,
+        evictions and flushes."""
+        return self.allocator.memory_stats()
+
+    def flush_cache(self) -> None:
+        """Really free the memory this device's allocator keeps cached for reuse (large host buffers go back to
+        the operating system); live buffers are untouched."""
+        free_cache = getattr(self.allocator, "free_cache", None)
+        if free_cache is not None:
+            free_cache()
 
     async def free(self, buf: Buffer) -> None:
         """Free ``buf``. It is unusable at once; its memory is released when its in-flight ops finish.
@@ -154,7 +219,11 @@ class BaseDevice:
             raise BufferUsageError(f"{what}: expected a Buffer, got {type(buf).__name__}")
         if buf.device != self.name:
             raise BufferUsageError(f"{what}: {buf!r} belongs to {buf.device}, not {self.name}")
-        return buf.handle  # raises if unallocated or freed
+        handle = buf.handle  # raises if unallocated or freed
+        owner = buf.base._owner
+        if owner is not self and owner is not None:
+            raise BufferUsageError(f"{what}: {buf!r} was allocated on a {self.name} that has been closed")
+        return handle
 
     def _submit(
         self,
@@ -166,24 +235,28 @@ class BaseDevice:
         keep: Any,
         result: Any = None,
         hold: bool = False,
+        window: Window | None = None,
     ) -> Op:
-        """Track the op's hazards and hand it to ``engine`` (see :func:`dispatch_when_ready`)."""
+        """Track the op's hazards and hand it to ``engine`` (see :func:`dispatch_when_ready`); through
+        ``window`` (held, as with ``hold``) once it admits the op."""
+        if self.state != "open":
+            self.check_usable(name)
         engine.check_open(name)  # before the hazard logs learn of an op that would never run
         op = Op(name, (), keep, result)
-        if not (reads or writes):
-            return engine.push(body, op)
         deps: list[Op] = []
-        inputs: list[Op] = []
-        for buf in reads:
-            buf.log.access(buf.offset, buf.offset + buf.nbytes, False, True, op, engine, deps, inputs)
-        for buf in writes:
-            buf.log.access(buf.offset, buf.offset + buf.nbytes, True, False, op, engine, deps, inputs)
-        if inputs:
-            op.inputs = inputs
-        if not deps:
+        if reads or writes:
+            inputs: list[Op] = []
+            for buf in reads:
+                buf.log.access(buf.offset, buf.offset + buf.nbytes, False, True, op, engine, deps, inputs)
+            for buf in writes:
+                buf.log.access(buf.offset, buf.offset + buf.nbytes, True, False, op, engine, deps, inputs)
+            if inputs:
+                op.inputs = inputs
+        admitted = window is None or window._admit((op,))
+        if admitted and not deps:
             return engine.push(body, op)
         op.deps = deps
-        dispatch_when_ready([(engine, body, op)], hold)
+        dispatch_when_ready([(engine, body, op)], hold or window is not None, None if admitted else window)
         return op
 
     def _copy_engine(self, buf: Buffer, write: bool) -> Engine:
@@ -195,14 +268,16 @@ class BaseDevice:
             return self.compute
         return self.copy
 
-    def copyin(self, buf: Buffer, data: Any, hold: bool = False) -> Op:
-        """Copy ``data`` (any C-contiguous buffer-protocol object of ``buf.nbytes`` bytes) into ``buf``.
+    def copyin(self, buf: Buffer, data: Any, hold: bool = False, window: Window | None = None) -> Op:
+        """Copy ``data`` (any C-contiguous buffer-protocol object of ``buf.nbytes`` bytes: bytes, array,
+        a numpy array...) into ``buf``; ``await`` the op for the copy to be done.
 
         Zero-copy from the source: it is held, unresizable, until the copy is done.
         Like every op method, it submits at once and returns the awaitable op. A
         queue runs its ops in the order given; with ``hold``, an op that must wait
         for another queue is kept off its queue until then, so later independent
-        ops go first (see :func:`dispatch_when_ready`).
+        ops go first (see :func:`dispatch_when_ready`). ``window``: the
+        :class:`~aruntime.scheduler.Scheduler` the op goes through (it is held).
         """
         handle = self._check(buf, "copyin")
         holder, address, nbytes = pin(data)
@@ -210,39 +285,41 @@ class BaseDevice:
             raise BufferUsageError(f"copyin: source has {nbytes} bytes, {buf!r} has {buf.nbytes}")
         name = f"copyin {nbytes} B"
         body: list[Command] = [(COPY, name, self.copy_fn, handle, address, nbytes)]
-        return self._submit(self._copy_engine(buf, True), name, body, (), (buf,), (holder, buf), hold=hold)
+        engine = self._copy_engine(buf, True)
+        return self._submit(engine, name, body, (), (buf,), (holder, buf), None, hold, window)
 
-    def copyout(self, buf: Buffer, into: Any = None, hold: bool = False) -> Op:
-        """Copy ``buf`` out; the op's result is ``into`` (a writable buffer) or a new bytearray. ``hold``: see
-        :meth:`copyin`."""
+    def copyout(self, buf: Buffer, into: Any = None, hold: bool = False, window: Window | None = None) -> Op:
+        """Copy ``buf`` to the host; ``await`` the op for the data.
+
+        The result is ``into`` (a writable, C-contiguous buffer-protocol object of
+        ``buf.nbytes`` bytes, such as a numpy array), or else a new memoryview cast
+        to the buffer's dtype (``tolist()``, indexing and ``numpy.asarray`` read it
+        as numbers; a byte view for a dtype :mod:`memoryview` cannot cast to, such
+        as float16 or bfloat16). ``hold``, ``window``: see :meth:`copyin`.
+        """
         handle = self._check(buf, "copyout")
-        dest = bytearray(buf.nbytes) if into is None else into
-        holder, address, nbytes = pin(dest, writable=True)
+        dest = typed(memoryview(bytearray(buf.nbytes)), buf.dtype) if into is None else into
+        try:
+            holder, address, nbytes = pin(dest, writable=True)
+        except BufferUsageError as exc:
+            raise BufferUsageError(f"copyout into: {exc}") from None
         if nbytes != buf.nbytes:
             raise BufferUsageError(f"copyout: destination has {nbytes} bytes, {buf!r} has {buf.nbytes}")
         name = f"copyout {nbytes} B"
         body: list[Command] = [(COPY, name, self.copy_fn, address, handle, nbytes)]
-        return self._submit(self._copy_engine(buf, False), name, body, (buf,), (), (holder, buf), dest, hold)
+        engine = self._copy_engine(buf, False)
+        return self._submit(engine, name, body, (buf,), (), (holder, buf), dest, hold, window)
 
-    def transfer(self, dst: Buffer, src: Buffer, hold: bool = False) -> Op:
-        """Copy ``src`` (on this device) to ``dst`` (on any device) on the copy engine :func:`transfer_device`
-        picks: this device's, unless only the destination's can reach both memories.
-
-        The destination device's later work on ``dst`` waits for it. ``hold``: see :meth:`copyin`.
-        """
-        src_handle = self._check(src, "transfer")
-        if not isinstance(dst, Buffer):
-            raise BufferUsageError(f"transfer: expected a Buffer destination, got {type(dst).__name__}")
-        dst_dev = dst.owner
-        if not dst_dev.host_mapped:
-            return dst_dev.transfer(dst, src, hold)
+    def _transfer(self, dst: Buffer, src: Buffer, hold: bool, window: Window | None) -> Op:
+        """:func:`transfer` on this device's copy engine (the device :func:`transfer_device` picked)."""
+        src_dev, dst_dev = src.owner, dst.owner
+        src_handle = src_dev._check(src, "transfer")
         dst_handle = dst_dev._check(dst, "transfer")
         if dst.nbytes != src.nbytes:
             raise BufferUsageError(f"transfer: {src!r} has {src.nbytes} bytes, {dst!r} has {dst.nbytes}")
-        runner = transfer_device(self, dst_dev)
-        name = f"transfer {src.nbytes} B {self.name}->{dst_dev.name}"
-        body: list[Command] = [(COPY, name, runner.copy_fn, dst_handle, src_handle, src.nbytes)]
-        return self._submit(runner.copy, name, body, (src,), (dst,), (src, dst), hold=hold)
+        name = f"transfer {src.nbytes} B {src_dev.name}->{dst_dev.name}"
+        body: list[Command] = [(COPY, name, self.copy_fn, dst_handle, src_handle, src.nbytes)]
+        return self._submit(self.copy, name, body, (src,), (dst,), (src, dst), None, hold, window)
 
     async def compile(self, src: str, name: str = "kernel", outs: Sequence[int] | None = None) -> Program:
         """Compile ``src`` off the event loop (through the compile cache) and load kernel ``name``.
@@ -251,14 +328,17 @@ class BaseDevice:
         """
         if not isinstance(src, str) or not isinstance(name, str):
             raise TypeError("compile: src and name must be str")
+        if not (name.isidentifier() and name.isascii()):
+            raise ValueError(f"compile on {self.name}: kernel name {name!r} is not a C identifier")
         if outs is not None:
             outs = _indices(f"compile {name}", outs)
+        self.check_usable(f"compile {name}")
         if self.compiler is None:
             raise DeviceError(f"{self.name} has no compiler")
         compiler = self.compiler
 
         def build() -> Program:
-            return self.program_type(self, name, compiler.compile_cached(src), outs)
+            return compiler.compile_cached(src, load=lambda lib: self.program_type(self, name, lib, outs))
 
         return await anyio.to_thread.run_sync(build)
 
@@ -289,17 +369,19 @@ class BaseDevice:
         vals: Sequence[int | float] = (),
         outs: Sequence[int] | None = None,
         hold: bool = False,
+        window: Window | None = None,
     ) -> Op:
-        """Run ``prog`` on ``bufs`` and the scalar ``vals`` on the compute engine.
+        """Run ``prog`` on ``bufs`` and the scalar ``vals`` on the compute engine; ``await`` the op for the
+        kernel to be done.
 
         ``outs`` (default: the program's, else all) are the indices of the buffers it writes;
-        the others are only read. ``hold``: see :meth:`copyin`.
+        the others are only read. ``hold``, ``window``: see :meth:`copyin`.
         """
         reads, writes = self._launch_access(prog, bufs, outs)
         check_scalars(f"launch {prog.name}", vals)
         fn, args = prog.bind([b._handle for b in bufs], vals)  # checked above: every handle is there
         body: list[Command] = [(EXEC, prog.name, fn, args)]  # the op holds the buffers until it is done
-        return self._submit(self.compute, prog.name, body, reads, writes, bufs, hold=hold)
+        return self._submit(self.compute, prog.name, body, reads, writes, bufs, None, hold, window)
 
     # ---- completion ---------------------------------------------------------------------------------
 
@@ -344,30 +426,103 @@ class BaseDevice:
 
         return DeviceEvent(self.name, engine_offset(self.compute), engine_offset(self.copy))
 
-    def close(self) -> None:
-        """Wait for the work submitted so far (held ops included), stop the engines and forget the device:
-        ``Device[name]`` opens a new one, and this one refuses new work with a :class:`DeviceError`."""
-        self.settle_blocking()
+    # ---- closing ------------------------------------------------------------------------------------
+
+    def check_usable(self, what: str) -> None:
+        """Raise :class:`DeviceError` naming ``what`` unless this device is open."""
+        if self.state != "open":
+            raise DeviceError(
+                f"{what}: {self.name} is {self.state}; Device[{self.name!r}] opens a new device of that name"
+            )
+
+    def _begin_close(self) -> bool:
+        """Move open -> closing; False if already closed. Refused from this device's own engine threads."""
+        for engine in (self.compute, self.copy):
+            if getattr(engine, "_thread", None) is threading.current_thread():
+                raise DeviceError(
+                    f"close {self.name}: called on its own {engine.signal.name} thread (from a kernel or an "
+                    "op callback), which would wait for itself; close it from another thread or task"
+                )
+        with self._close_lock:
+            if self.state == "closed":
+                return False
+            if self.state == "closing":
+                raise DeviceError(f"close {self.name}: another close of it is already waiting")
+            self.state = "closing"
+            return True
+
+    def _finish_close(self, settled: bool) -> None:
+        """closing -> closed once the work in flight is done (stop the engines, free the cache, forget the
+        device); closing -> open when the wait failed, so the device stays usable."""
+        if not settled:
+            self.state = "open"
+            return
         self.compute.close()
         self.copy.close()
+        self.flush_cache()
+        self.state = "closed"
         Device.forget(self)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for the work submitted so far (held ops included), stop the engines and forget the device.
+
+        For threads; async code uses :meth:`aclose`. Afterwards ``Device[name]`` opens a new device, and this one
+        refuses new work (ops, ``allocate``, ``compile``) with a :class:`DeviceError`. If the wait does not pass
+        within ``timeout`` seconds (default: the device's :attr:`timeout`), the :class:`SignalTimeout` is raised
+        and the device stays open and usable. Closing a closed device does nothing; closing from one of the
+        device's own engine threads (a kernel) is a :class:`DeviceError`.
+        """
+        if not self._begin_close():
+            return
+        settled = False
+        try:
+            self.settle_blocking(timeout)
+            settled = True
+        finally:
+            self._finish_close(settled)
+
+    async def aclose(self) -> None:
+        """:meth:`close` for async code: waits for the work in flight without blocking the loop (bounded by
+        the device's :attr:`timeout`; a timeout leaves it open), then stops the engines on a worker thread.
+        If the awaiting task is cancelled, the device stays open."""
+        if not self._begin_close():
+            return
+        settled = False
+        try:
+            await self.settle()
+            settled = True
+        finally:
+            if settled:
+                await anyio.to_thread.run_sync(self._finish_close, True, abandon_on_cancel=False)
+            else:
+                self._finish_close(False)
+
+    async def __aenter__(self) -> BaseDevice:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
 
 
 def transfer_device(src: BaseDevice, dst: BaseDevice) -> BaseDevice:
     """The device whose copy engine runs a transfer from ``src`` to ``dst``.
 
-    The source's, when both are one kind or both hold host addresses (an allocator that is
-    :class:`~aruntime.allocator.HostAddressed`: ``copy_fn`` is a memmove); the destination's when only the
-    source holds host addresses (a device with memory of its own copies between it and host addresses);
-    otherwise no device reaches both memories and it is a :class:`DeviceError`.
+    The source's when both are one kind or both are :attr:`~BaseDevice.host_mapped` (``copy_fn`` is a memmove);
+    the one that :attr:`~BaseDevice.copies_host` when the other is host-mapped (a device with memory of its own
+    copies between it and host addresses); otherwise no copy engine reaches both memories: a
+    :class:`BufferUsageError` (a NULL buffer, for one, is not host memory).
     """
-    src_host, dst_host = isinstance(src.allocator, HostAddressed), isinstance(dst.allocator, HostAddressed)
-    if type(src) is type(dst) or dst_host:
+    if type(src) is type(dst) or (src.host_mapped and dst.host_mapped):
         return src
-    if src_host:
+    if src.host_mapped and dst.copies_host:
         return dst
-    raise DeviceError(
-        f"transfer {src.name}->{dst.name}: neither device reaches the other's memory; copy out to the host and in"
+    if dst.host_mapped and src.copies_host:
+        return src
+    lacking = ", ".join(d.name for d in (src, dst) if not d.host_mapped)
+    raise BufferUsageError(
+        f"transfer {src.name}->{dst.name}: no copy engine reaches both memories ({lacking} buffers are not host "
+        "memory); a transfer runs between host-mapped devices (CPU, DISK), between one of them and a device that "
+        "copies to host memory (CL, CUDA), or within one kind; copy out to the host and in"
     )
 
 
@@ -408,9 +563,31 @@ def _split(count: int, written: tuple[int, ...]) -> tuple[tuple[int, ...], tuple
     return tuple(i for i in range(count) if i not in written), tuple(sorted(set(written)))
 
 
-def dispatch_when_ready(ops: Sequence[tuple[Engine, list[Command], Op]], hold: bool) -> None:
+def transfer(dst: Buffer, src: Buffer, hold: bool = False, window: Window | None = None) -> Op:
+    """Copy ``src`` into ``dst``, a buffer of another device (or the same), on the copy queue of the device
+    :func:`transfer_device` picks (the source's, between host-memory devices); ``await`` the op for the copy to
+    be done.
+
+    Both must be allocated and of the same size; the destination device's later
+    work on ``dst`` waits for it. ``hold``, ``window``: see :meth:`BaseDevice.copyin`.
+    """
+    if not isinstance(src, Buffer):
+        raise BufferUsageError(f"transfer: expected a Buffer source, got {type(src).__name__}")
+    if not isinstance(dst, Buffer):
+        raise BufferUsageError(f"transfer: expected a Buffer destination, got {type(dst).__name__}")
+    src_dev, dst_dev = src.owner, dst.owner
+    for dev in (dst_dev, src_dev):
+        if dev.routes_transfers:
+            return dev._transfer(dst, src, hold, window)
+    return transfer_device(src_dev, dst_dev)._transfer(dst, src, hold, window)
+
+
+def dispatch_when_ready(
+    ops: Sequence[tuple[Engine, list[Command], Op]], hold: bool, window: Window | None = None
+) -> None:
     """Hand ``ops`` (each with its engine and commands, its ``deps`` set) to their engines together,
-    as soon as their dependencies allow; until then they are held (see :meth:`Op.hold`).
+    as soon as their dependencies allow (and ``window``, which refused them, admits them); until then
+    they are held (see :meth:`Op.hold`).
 
     Without ``hold`` they go as soon as every dependency has been handed over, and
     wait commands cover cross-queue hazards (a queue runs in the order it is given
@@ -429,16 +606,18 @@ def dispatch_when_ready(ops: Sequence[tuple[Engine, list[Command], Op]], hold: b
                 blockers.append((op, False, dep))
             elif not dep.dispatched:
                 blockers.append((op, True, dep))
-    if not blockers:
+    if not blockers and window is None:
         _dispatch(ops, mine)
         return
     for engine, _, op in ops:
         op.hold(engine)
     if recorder.enabled:
         recorder.events.extend(DependencyEvent(dep.id, op.id) for op, on, dep in blockers if not on)
-    one_ready = after_all(len(blockers), lambda: _dispatch(ops, mine))
+    one_ready = after_all(len(blockers) + (window is not None), lambda: _dispatch(ops, mine))
     for _, on_dispatch, dep in blockers:
         (dep.when_dispatched if on_dispatch else dep.when_done)(one_ready)
+    if window is not None:
+        window._queue_for_room([op for _, _, op in ops], one_ready)
 
 
 def _dispatch(ops: Sequence[tuple[Engine, list[Command], Op]], mine: Collection[int]) -> None:
@@ -553,13 +732,15 @@ class _Registry:
 
     @property
     def DEFAULT(self) -> str:
-        """The default device: a kind whose env var is 1, else the first of PRIORITY that opens."""
+        """The default device: the kind whose ``ARUNTIME_<KIND>`` is 1, else the first of :data:`PRIORITY`
+        that opens (a child process finds it by the same rule; nothing is written to the environment)."""
         if self._default is not None:
             return self._default
         kinds = self.kinds()
-        chosen = [k for k in kinds if os.environ.get(k) == "1" and not self.backend(k).file_backed]
+        chosen = [k for k in kinds if getenv(k, "") == "1" and not self.backend(k).file_backed]
         if len(chosen) > 1:
-            raise DeviceError(f"several device kinds are set to 1 in the environment: {', '.join(sorted(chosen))}")
+            names = ", ".join(f"ARUNTIME_{k}" for k in sorted(chosen))
+            raise DeviceError(f"several device kinds are set to 1 in the environment: {names}")
         if not chosen:
             errors = []
             for kind in PRIORITY:
@@ -575,7 +756,6 @@ class _Registry:
             if not chosen:
                 raise DeviceError("no device could be opened: " + ("; ".join(errors) or "no backends found"))
         self._default = chosen[0]
-        os.environ[self._default] = "1"
         return self._default
 
 
@@ -588,3 +768,48 @@ def is_dtype_supported(dtype: DType, device: str | None = None) -> bool:
     if not isinstance(dtype, DType):
         raise TypeError(f"is_dtype_supported: expected a DType, got {type(dtype).__name__}")
     return Device[device].is_dtype_supported(dtype)
+
+
+def _unfinished(dev: BaseDevice) -> str:
+    """What is still in flight on ``dev``'s queues, for a warning."""
+    parts = []
+    for engine in (dev.compute, dev.copy):
+        running = max(0, engine.last - engine.signal.value)
+        held = sorted(op.name for op in tuple(engine.held))
+        if running or held:
+            names = f" ({', '.join(held[:5])}{', ...' if len(held) > 5 else ''})" if held else ""
+            parts.append(f"{engine.signal.name}: {running} op(s) submitted and {len(held)} held{names}")
+    return "; ".join(parts) or "nothing"
+
+
+def finish_at_exit() -> None:
+    """At interpreter exit: wait for the work in flight on every open device (each wait bounded by the
+    device's timeout), warn naming what did not finish (it is dropped) and the failures nobody awaited, and
+    write file-backed devices' mappings back to their files (``msync``). Registered with :mod:`atexit` on
+    import."""
+    for dev in Device.devices():
+        try:
+            dev.settle_blocking()
+        except Exception as exc:
+            warnings.warn(
+                f"aruntime at exit: work in flight on {dev.name} did not finish and is dropped: "
+                f"{_unfinished(dev)} ({type(exc).__name__}: {exc})",
+                RuntimeWarning,
+                stacklevel=1,
+            )
+        failed = dev.compute.take_failures() + dev.copy.take_failures()
+        if failed:
+            error = first_failure(failed, "failed on it")
+            warnings.warn(
+                f"aruntime at exit: {len(failed)} op(s) on {dev.name} failed and nobody awaited them; the first: "
+                f"{error}",
+                RuntimeWarning,
+                stacklevel=1,
+            )
+        if dev.file_backed:
+            flush = getattr(dev.allocator, "flush", None)
+            if flush is not None:
+                flush()
+
+
+atexit.register(finish_at_exit)

@@ -311,7 +311,7 @@ class dtypes:
     ints: ClassVar[tuple[DType, ...]] = uints + sints
 
     default_float: ClassVar[DType] = float32
-    """float32, or the float type the environment variable DEFAULT_FLOAT names (read at import)."""
+    """float32, or the float type the environment variable ARUNTIME_DEFAULT_FLOAT names (read at import)."""
     default_int: ClassVar[DType] = int32
 
     @staticmethod
@@ -328,6 +328,12 @@ class dtypes:
     def is_unsigned(x: DType) -> builtins.bool:
         """True for unsigned integer scalars and vectors."""
         return x.scalar() in dtypes.uints
+
+    @staticmethod
+    def is_storable(x: object) -> builtins.bool:
+        """Whether a buffer can hold elements of ``x``: a scalar or vector dtype with a size (not void, not a
+        pointer, not an image; an image's layout goes in the buffer's spec)."""
+        return isinstance(x, DType) and not isinstance(x, (PtrDType, ImageDType)) and x.itemsize > 0
 
     @staticmethod
     def from_py(x: Any) -> DType:
@@ -439,15 +445,17 @@ _REPR_NAMES[dtypes.void] = "void"
 
 
 def _default_float_from_env(value: str) -> DType:
-    """The dtype the DEFAULT_FLOAT setting ``value`` names (case-insensitive); empty means float32."""
+    """The dtype the ARUNTIME_DEFAULT_FLOAT setting ``value`` names (case-insensitive); empty means float32."""
     if value == "":
         return dtypes.float32
     dt = _FIELDS.get(value.strip().lower())
     floats = ", ".join(k for k, v in _FIELDS.items() if v in dtypes.floats)
     if dt is None:
-        raise ValueError(f"DEFAULT_FLOAT={value!r} is not a dtype name; use one of: {floats}")
+        raise ValueError(f"ARUNTIME_DEFAULT_FLOAT={value!r} is not a dtype name; use one of: {floats}")
     if not dtypes.is_float(dt):
-        raise ValueError(f"DEFAULT_FLOAT={value!r} names {dt!r}, which is not a float type; use one of: {floats}")
+        raise ValueError(
+            f"ARUNTIME_DEFAULT_FLOAT={value!r} names {dt!r}, which is not a float type; use one of: {floats}"
+        )
     return dt
 
 

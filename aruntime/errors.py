@@ -16,7 +16,7 @@ class CompileError(AruntimeError):
 
 
 class CacheError(AruntimeError):
-    """The persistent compile cache is unusable (e.g. unsafe permissions) or missed under ASSERT_COMPILE."""
+    """The persistent compile cache is unusable (e.g. unsafe permissions) or missed under ARUNTIME_ASSERT_COMPILE."""
 
 
 class AllocationError(AruntimeError, MemoryError):
@@ -41,3 +41,7 @@ class DependencyError(OpError):
     def __init__(self, message: str, first: str) -> None:
         super().__init__(message)
         self.first = first
+
+
+class SchedulerFull(AruntimeError):
+    """A :class:`~aruntime.scheduler.Scheduler`'s queue of ops waiting for its window is full."""

@@ -17,10 +17,18 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aruntime.buffer import Buffer
-from aruntime.device import BaseDevice, Program, check_scalar, check_scalars, dispatch_when_ready, transfer_device
+from aruntime.buffer import Buffer, typed
+from aruntime.device import (
+    BaseDevice,
+    Program,
+    Window,
+    check_scalar,
+    check_scalars,
+    dispatch_when_ready,
+    transfer_device,
+)
 from aruntime.engine import COPY, EXEC, SIGNAL, TIMESTAMP, WAIT, Command, Engine, Op, TimelineSignal, first_failure
-from aruntime.errors import BufferUsageError, DeviceError
+from aruntime.errors import BufferUsageError, DeviceError, SignalTimeout
 from aruntime.events import GraphEntry, GraphEvent, recorder
 from aruntime.helpers import after_all, pin
 
@@ -93,6 +101,13 @@ def _owner(buf: Buffer, what: str) -> BaseDevice:
     return dev
 
 
+def _label(steps: list[_Step]) -> str:
+    """The entries of one engine's part of a replay, for its op's name (so an error names the kernel)."""
+    names = [step.entry.name for step in steps[:4]]
+    more = f", +{len(steps) - 4} more" if len(steps) > 4 else ""
+    return ", ".join(names) + more
+
+
 def _overlaps(a: Buffer, b: Buffer) -> bool:
     return a.base is b.base and a.offset < b.offset + b.nbytes and b.offset < a.offset + a.nbytes
 
@@ -135,8 +150,11 @@ class Graph:
         self._add(_Entry("copyout", dev, dev.copy, f"copyout {buf.nbytes} B", (buf,), (), host=dest, nbytes=buf.nbytes))
 
     def transfer(self, dst: Buffer, src: Buffer) -> None:
-        """Capture a device-to-device copy on the source's copy engine."""
-        dev = transfer_device(_owner(src, "graph transfer"), _owner(dst, "graph transfer"))
+        """Capture a copy of ``src`` into ``dst`` on the copy engine :func:`aruntime.transfer` would use."""
+        src_dev, dst_dev = _owner(src, "graph transfer"), _owner(dst, "graph transfer")
+        if src_dev.routes_transfers or dst_dev.routes_transfers:
+            raise DeviceError(f"graph transfer {src_dev.name}->{dst_dev.name}: a graph cannot capture it")
+        dev = transfer_device(src_dev, dst_dev)
         if dst.nbytes != src.nbytes:
             raise BufferUsageError(f"graph transfer: {src!r} has {src.nbytes} bytes, {dst!r} has {dst.nbytes}")
         self._add(_Entry("transfer", dev, dev.copy, f"transfer {src.nbytes} B", (src,), (dst,), nbytes=src.nbytes))
@@ -199,7 +217,7 @@ class Graph:
                     if reads and engine not in feeds[engines[i]]:
                         feeds[engines[i]].append(engine)
             waits.append(list(latest.items()))
-        progress = {e: TimelineSignal(f"graph#{self.id} {e.signal.name} progress", e.signal.timeout) for e in order}
+        progress = {e: TimelineSignal(f"Graph #{self.id} {e.signal.name} progress", e.signal.timeout) for e in order}
         needed = {e.host for e in entries if e.kind == "copyin"} | {
             v.name for e in entries for v in e.vals if isinstance(v, Param)
         }
@@ -258,16 +276,26 @@ class Graph:
 
         ``buffers`` maps captured buffers to replacements (same device and size);
         ``inputs`` gives every copy-in source and :class:`Param` by name, and may
-        give a writable destination for a copy-out (else a new bytearray).
+        give a writable destination for a copy-out (else a new memoryview cast to the buffer's dtype, as
+        :meth:`BaseDevice.copyout` gives).
         """
+        return self._replay(buffers, inputs, None)
+
+    def _replay(self, buffers: dict[Buffer, Buffer] | None, inputs: dict[str, Any], window: Window | None) -> GraphRun:
+        """:meth:`replay`, its parts admitted through ``window`` (a scheduler's) if given."""
         with self._lock:  # one replay at a time: the progress signals count the runs in the order they are submitted
             plan = self._plan = self._plan or self._build()
-            run = self._submit_run(plan, self._runs, buffers, inputs)
+            run = self._submit_run(plan, self._runs, buffers, inputs, window)
             self._runs += 1
         return run
 
     def _submit_run(
-        self, plan: _Plan, run_index: int, buffers: dict[Buffer, Buffer] | None, inputs: dict[str, Any]
+        self,
+        plan: _Plan,
+        run_index: int,
+        buffers: dict[Buffer, Buffer] | None,
+        inputs: dict[str, Any],
+        window: Window | None,
     ) -> GraphRun:
         """Check the inputs, build each engine's commands for run ``run_index`` and submit them (under the lock)."""
         bufs = self._substituted(plan, buffers) if buffers else plan.buffers
@@ -307,7 +335,7 @@ class Graph:
                 if step.signal:
                     cmds.append((SIGNAL, progress, base + step.signal))
             bodies[engine] = cmds
-        ops = self._submit(plan, bodies, bufs, keep, run_index)
+        ops = self._submit(plan, bodies, bufs, keep, run_index, window)
         run = GraphRun(tuple(ops), results)
         if timing:
             _record_when_done(run, self, plan, times)
@@ -375,7 +403,7 @@ class Graph:
                 raise BufferUsageError(f"graph input {entry.host!r} has {size} bytes, {entry.writes[0]!r} has {nbytes}")
             return (COPY, entry.name, entry.device.copy_fn, handles[step.slots[0]], address, nbytes)
         dest = inputs.get(entry.host)
-        dest = bytearray(nbytes) if dest is None else dest
+        dest = typed(memoryview(bytearray(nbytes)), entry.reads[0].dtype) if dest is None else dest
         holder, address, size = pin(dest, writable=True)
         keep.append(holder)
         if size != nbytes:
@@ -390,10 +418,11 @@ class Graph:
         bufs: list[Buffer],
         keep: list[Any],
         run_index: int,
+        window: Window | None,
     ) -> list[Op]:
         for engine in plan.engines:
             engine.check_open(f"{self!r} replay")
-        ops = {e: Op(f"graph#{self.id} replay {run_index} on {e.signal.name}", (), keep) for e in plan.engines}
+        ops = {e: Op(f"Graph #{self.id} replay {run_index} ({_label(plan.steps[e])})", (), keep) for e in plan.engines}
         deps: dict[Engine, list[Op]] = {e: [] for e in plan.engines}
         inputs: dict[Engine, list[Op]] = {e: [] for e in plan.engines}
         for engine, i, write, uses in plan.accesses:
@@ -408,8 +437,12 @@ class Graph:
             ops[engine].inputs = outside + [ops[f] for f in plan.feeds[engine]]
         # all engines' parts go together, once every outside dependency is on its queue: their progress
         # waits on one another must never sit in front of an outside op they depend on
-        dispatch_when_ready([(engine, bodies[engine], ops[engine]) for engine in plan.engines], hold=False)
-        return list(ops.values())
+        parts = list(ops.values())
+        admitted = window is None or window._admit(parts)
+        dispatch_when_ready(
+            [(engine, bodies[engine], ops[engine]) for engine in plan.engines], False, None if admitted else window
+        )
+        return parts
 
 
 def _record_when_done(run: GraphRun, graph: Graph, plan: _Plan, times: list[list[float]]) -> None:
@@ -456,7 +489,10 @@ class GraphRun:
 
     async def _wait(self) -> dict[str, Any]:
         for op in self.ops:
-            await op.settled()
+            try:
+                await op.settled()
+            except SignalTimeout as exc:
+                raise SignalTimeout(f"{op.name}: {exc}") from exc
         if self.settled_hook is not None:
             self.settled_hook()
         failed = [op for op in self.ops if op.error is not None]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import threading
 from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
@@ -13,19 +14,36 @@ from aruntime.errors import BufferUsageError, DeviceError
 T = TypeVar("T", int, float, str)
 
 
-def getenv(key: str, default: T) -> T:
-    """Read the environment variable ``key`` converted to the type of ``default``.
+ENV_PREFIX = "ARUNTIME_"
+"""Every environment variable aruntime reads is named with this prefix (``ARUNTIME_WAIT_TIMEOUT``...)."""
 
-    Unset or empty reads as ``default``. A value that does not convert raises a
-    ``ValueError`` naming the variable.
+
+def getenv(key: str, default: T, minimum: T | None = None, maximum: T | None = None) -> T:
+    """Read the environment variable ``ARUNTIME_<key>`` converted to the type of ``default``.
+
+    The one place aruntime reads its settings from the environment (it never
+    writes them). Unset or empty reads as ``default``. A value that does not
+    convert (a float that is not a number included), or that lies outside
+    ``minimum`` .. ``maximum`` (inclusive, where given), raises a ``ValueError``
+    naming the variable and what it accepts.
     """
-    raw = os.environ.get(key, "")
+    name = ENV_PREFIX + key
+    raw = os.environ.get(name, "")
     if raw == "":
         return default
+    kind = type(default)
     try:
-        return type(default)(raw)
+        value = kind(raw)
     except ValueError:
-        raise ValueError(f"environment variable {key}={raw!r} is not a valid {type(default).__name__}") from None
+        raise ValueError(f"environment variable {name}={raw!r} is not a valid {kind.__name__}") from None
+    if isinstance(value, float) and value != value:
+        raise ValueError(f"environment variable {name}={raw!r} is not a number")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        bounds = " and ".join(
+            f"{word} {bound!r}" for word, bound in (("at least", minimum), ("at most", maximum)) if bound is not None
+        )
+        raise ValueError(f"environment variable {name}={raw!r} is out of range: it must be {bounds}")
+    return value
 
 
 class _PyBuffer(ctypes.Structure):
@@ -106,18 +124,40 @@ def pin(obj: object, writable: bool = False) -> Pin:
     return export, int(view_struct.buf or 0), int(view_struct.len)
 
 
-def canonicalize(name: str) -> str:
-    """The canonical device name: a final ":0" dropped, the kind upper-cased, the rest kept.
+_KIND = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
+_EXPECTED = "expected KIND, KIND:N with N >= 0, or KIND:ARG (a path for DISK)"
 
-    ``"cpu:0" -> "CPU"``, ``"cpu:10" -> "CPU:10"``, ``"disk:/tmp/A" -> "DISK:/tmp/A"``,
-    ``"disk:/tmp/x:0" -> "DISK:/tmp/x"``.
+
+def canonicalize(name: str) -> str:
+    """The canonical device name: ``KIND``, ``KIND:N`` (N > 0, a device index) or ``KIND:ARG``.
+
+    The kind (letters, digits, ``_``) is upper-cased; an index of 0 is dropped
+    and leading zeros go (``"cpu:0" -> "CPU"``, ``"cpu:010" -> "CPU:10"``); any
+    other argument (a path: ``"disk:/tmp/A" -> "DISK:/tmp/A"``) is kept, less a
+    final ``":0"`` (``"disk:/tmp/x:0" -> "DISK:/tmp/x"``). A malformed name (no
+    kind, an empty argument, a negative index) is a :class:`DeviceError`; which
+    arguments a kind takes is checked when the device opens.
     """
-    if not isinstance(name, str) or not name or name.startswith(":"):
-        raise DeviceError(f"invalid device name {name!r}: expected KIND or KIND:ARG")
-    if name.endswith(":0"):
-        name = name[:-2]
+    if not isinstance(name, str):
+        raise DeviceError(f"invalid device name {name!r}: not a str; {_EXPECTED}")
     kind, sep, rest = name.partition(":")
+    if not _KIND.fullmatch(kind):
+        raise DeviceError(f"invalid device name {name!r}: no kind before ':'; {_EXPECTED}")
+    if sep and not rest:
+        raise DeviceError(f"invalid device name {name!r}: nothing after ':'; {_EXPECTED}")
+    if rest.startswith("-") and rest[1:].isdecimal():
+        raise DeviceError(f"invalid device name {name!r}: a device index must be >= 0; {_EXPECTED}")
+    if rest.isdecimal() and rest.isascii():
+        index = int(rest)
+        return kind.upper() + (f":{index}" if index else "")
+    if rest.endswith(":0") and not (rest[:-2].isdecimal() and rest[:-2].isascii()):
+        rest = rest[:-2]
     return kind.upper() + sep + rest
+
+
+def is_index(arg: str) -> bool:
+    """Whether the argument of a canonical device name is a device index (or absent)."""
+    return arg == "" or (arg.isdecimal() and arg.isascii())
 
 
 def after_all(count: int, callback: Callable[[], None]) -> Callable[[], None]:

@@ -375,7 +375,7 @@ async def compile_warm() -> list[Result]:
     """A warm-cache compile, in a fresh process, against a cold compile.
 
     One process compiles ``n`` new kernels into an empty cache (the cold times).
-    A second, fresh process compiles them again with ``ASSERT_COMPILE=1``, so any
+    A second, fresh process compiles them again with ``ARUNTIME_ASSERT_COMPILE=1``, so any
     miss fails: each compile there is a persistent-cache hit seen for the first
     time in that process, so no in-process memo can answer it. The first compile
     of that process also pays the one-time costs (the compiler key, the cache
@@ -384,11 +384,11 @@ async def compile_warm() -> list[Result]:
     n = 4 if settings.quick else 12
     sources = _kernels(uuid.uuid4().hex, n)
     with tempfile.TemporaryDirectory(prefix="aruntime-bench-") as tmp:
-        env = {**os.environ, "CACHEDB": os.path.join(tmp, "cache.db"), "PYTHONPATH": str(ROOT)}
-        for var in ("DISABLE_COMPILER_CACHE", "CACHELEVEL", "ASSERT_COMPILE"):
+        env = {**os.environ, "ARUNTIME_CACHEDB": os.path.join(tmp, "cache.db"), "PYTHONPATH": str(ROOT)}
+        for var in ("ARUNTIME_DISABLE_COMPILER_CACHE", "ARUNTIME_CACHELEVEL", "ARUNTIME_ASSERT_COMPILE"):
             env.pop(var, None)
         cold = await _in_fresh_process(sources, env)
-        warm = await _in_fresh_process(sources, {**env, "ASSERT_COMPILE": "1"})
+        warm = await _in_fresh_process(sources, {**env, "ARUNTIME_ASSERT_COMPILE": "1"})
     cold_ms = statistics.median(cold) * 1e3
     warm_ms = statistics.median(warm[1:]) * 1e3
     first_ms = warm[0] * 1e3
@@ -405,10 +405,10 @@ async def compile_parallel() -> list[Result]:
     dev = Device["CPU"]
     serial_s: list[float] = []
     parallel_s: list[float] = []
-    saved = {var: os.environ.pop(var, None) for var in ("CACHEDB", "ASSERT_COMPILE")}
+    saved = {var: os.environ.pop(var, None) for var in ("ARUNTIME_CACHEDB", "ARUNTIME_ASSERT_COMPILE")}
     try:
         with tempfile.TemporaryDirectory(prefix="aruntime-bench-") as tmp:
-            os.environ["CACHEDB"] = os.path.join(tmp, "cache.db")
+            os.environ["ARUNTIME_CACHEDB"] = os.path.join(tmp, "cache.db")
             await dev.compile(EMPTY_KERNEL)  # warm up the compiler key and the worker threads
             for _ in range(repeats):
                 start = time.perf_counter()

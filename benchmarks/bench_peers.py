@@ -232,9 +232,10 @@ async def measure_pipeline(case: Case, repeats: int) -> dict[str, Any]:
             for i in range(batches):
                 d, s = i % ndev, (i // ndev) % SLOTS
                 x, y = xs[d][s], ys[d][s]
-                await sched.copyin(x, sources[i % SOURCES])
-                await sched.launch(progs[d], y, x)
-                await sched.copyout(y, dsts[i % len(dsts)])
+                sched.copyin(x, sources[i % SOURCES])
+                sched.launch(progs[d], y, x)
+                sched.copyout(y, dsts[i % len(dsts)])
+                await sched.room()  # backpressure: at most the window in flight
 
     host = HostKernel(source)
     lane_x = [(ctypes.c_char * nbytes)() for _ in range(ndev)]
@@ -295,9 +296,9 @@ async def measure_serving(tasks: int, n: int, repeats: int) -> dict[str, Any]:
 
     async def scheduled(i: int) -> None:
         assert sched is not None
-        await sched.copyin(xs[i], requests[i])
-        await sched.launch(prog, ys[i], xs[i])
-        await (await sched.copyout(ys[i], outs[i]))
+        sched.copyin(xs[i], requests[i])
+        sched.launch(prog, ys[i], xs[i])
+        await sched.copyout(ys[i], outs[i])
 
     async def scheduled_burst() -> tuple[float, list[float]]:
         nonlocal sched

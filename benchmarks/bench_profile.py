@@ -2,7 +2,7 @@
 
 ``profile_overhead``: 100k NULL-device launches of an empty kernel submitted,
 then each awaited, once with the profile recorder off and once with it on
-(as under ``PROFILE=1``), alternating, in the same run. The figure is the
+(as under ``ARUNTIME_PROFILE=1``), alternating, in the same run. The figure is the
 ratio of the median times (on / off); the goal is at most 1.10. Recorded
 events are discarded after each "on" run, outside the timed region.
 """

@@ -228,11 +228,12 @@ async def scheduler_pipeline() -> list[Result]:
             for b in range(batches + lag):
                 if b < batches:
                     d, s = where(b)
-                    await sched.copyin(xs[d][s], srcs[d])
-                    await sched.launch(progs[d], ys[d][s], xs[d][s], vals=(n, work))
+                    sched.copyin(xs[d][s], srcs[d])
+                    sched.launch(progs[d], ys[d][s], xs[d][s], vals=(n, work))
                 if b >= lag:
                     d, s = where(b - lag)
-                    await sched.copyout(ys[d][s], dsts[d][s])
+                    sched.copyout(ys[d][s], dsts[d][s])
+                await sched.room()  # backpressure: at most the window in flight
 
     cores = _cores()
     ceiling = await _parallel_ceiling(devs[0])
@@ -349,9 +350,9 @@ async def scheduler_serving() -> list[Result]:
 
     async def scheduled(i: int) -> None:
         assert sched is not None
-        await sched.copyin(xs[i], requests[i])
-        await sched.launch(prog, ys[i], xs[i], vals=(n, 2.0))
-        await (await sched.copyout(ys[i], outs[i]))
+        sched.copyin(xs[i], requests[i])
+        sched.launch(prog, ys[i], xs[i], vals=(n, 2.0))
+        await sched.copyout(ys[i], outs[i])
 
     async def scheduled_burst() -> tuple[float, list[float]]:
         nonlocal sched
@@ -495,9 +496,9 @@ async def _replay_vs_eager(dev: BaseDevice, iterations: int, repeats: int) -> di
             for _ in range(iterations):
                 outs = []
                 for k in range(CHAIN):
-                    await sched.copyin(xs[k], srcs[k])
-                    await sched.launch(prog, ys[k], xs[k], vals=(TINY, 2.0))
-                    outs.append(await sched.copyout(ys[k], dsts[k]))
+                    sched.copyin(xs[k], srcs[k])
+                    sched.launch(prog, ys[k], xs[k], vals=(TINY, 2.0))
+                    outs.append(sched.copyout(ys[k], dsts[k]))
                 for op in outs:
                     await op
 

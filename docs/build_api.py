@@ -36,9 +36,11 @@ Generated from the docstrings by `python docs/build_api.py` (with pdoc); do not
 edit by hand. `tests/test_docs.py` fails when this page is out of date. For a
 browsable HTML version run `python docs/build_api.py --html site/`.
 
-The names most programs need are importable from `aruntime` itself; the
-scheduler is `aruntime.scheduler.Scheduler`, graphs are `aruntime.graph.Graph`
-and the batcher is `aruntime.batching.Batcher`.
+The names most programs need are importable from `aruntime` itself
+(`Device`, `Scheduler`, `Graph`, `Param`, `Batcher`, `transfer`,
+`from_dlpack`, the errors...); they are documented below in the modules that
+define them (`aruntime.scheduler.Scheduler`, `aruntime.graph.Graph`...).
+`aruntime.__version__` is the installed version.
 """
 
 _QUALIFIED = re.compile(r"\b(?:" + PACKAGE + r"(?:\.\w+)*|collections\.abc|typing)\.(?=\w)")
@@ -259,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 when the output file is out of date")
     parser.add_argument("--html", type=Path, help="also write pdoc's HTML site into this directory")
     args = parser.parse_args(argv)
-    os.environ.pop("DEFAULT_FLOAT", None)  # module-level defaults must not depend on the caller's environment
+    os.environ.pop("ARUNTIME_DEFAULT_FLOAT", None)  # module-level defaults must not depend on the caller's environment
     text = build()
     if args.check:
         current = args.output.read_text() if args.output.exists() else ""

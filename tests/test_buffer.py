@@ -82,9 +82,9 @@ def test_bad_size_is_a_clear_error(size: object) -> None:
 
 
 def test_bad_dtype_and_root_offset_are_clear_errors() -> None:
-    with pytest.raises(BufferUsageError, match="dtype must be a DType"):
+    with pytest.raises(BufferUsageError, match="dtype must be a scalar or vector DType"):
         Buffer("CPU", 4, "float32")  # type: ignore[arg-type]
-    with pytest.raises(BufferUsageError, match="dtype must be a DType with a non-zero itemsize"):
+    with pytest.raises(BufferUsageError, match="dtype must be a scalar or vector DType with a non-zero itemsize"):
         Buffer("CPU", 4, dtypes.void)
     with pytest.raises(BufferUsageError, match="a base buffer has no offset"):
         Buffer("CPU", 4, offset=4)
@@ -383,12 +383,12 @@ def test_nolru_frees_at_once(host_frees: list[int]) -> None:
 
 
 def test_lru_0_in_the_environment_frees_at_once(monkeypatch: pytest.MonkeyPatch, host_frees: list[int]) -> None:
-    monkeypatch.setenv("LRU", "0")
+    monkeypatch.setenv("ARUNTIME_LRU", "0")
     alloc = HostAllocator("HOST-TEST")
     handle = alloc.alloc(48)
     alloc.free(handle, 48)
     assert host_frees == [handle] and alloc.cached_bytes == 0
-    monkeypatch.setenv("LRU", "1")
+    monkeypatch.setenv("ARUNTIME_LRU", "1")
     alloc = HostAllocator("HOST-TEST")
     handle = alloc.alloc(48)
     alloc.free(handle, 48)

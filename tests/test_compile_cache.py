@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import multiprocessing
 import os
 import pickle
@@ -28,10 +29,10 @@ posix_only = pytest.mark.skipif(os.name != "posix", reason="POSIX permissions")
 
 @pytest.fixture
 def db(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    for var in ("CACHELEVEL", "DISABLE_COMPILER_CACHE", "ASSERT_COMPILE"):
+    for var in ("ARUNTIME_CACHELEVEL", "ARUNTIME_DISABLE_COMPILER_CACHE", "ARUNTIME_ASSERT_COMPILE"):
         monkeypatch.delenv(var, raising=False)
     path = tmp_path / "cache" / "cache.db"
-    monkeypatch.setenv("CACHEDB", str(path))
+    monkeypatch.setenv("ARUNTIME_CACHEDB", str(path))
     yield path
     cache_close()
 
@@ -60,7 +61,7 @@ def _tables(path: Path) -> list[str]:
 
 
 def test_location_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("CACHEDB", raising=False)
+    monkeypatch.delenv("ARUNTIME_CACHEDB", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cache_path() == tmp_path / "xdg" / "aruntime" / "cache.db"
     cache_put("t", "k", b"v")
@@ -68,7 +69,7 @@ def test_location_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     cache_close()
     for d in (tmp_path / "xdg", tmp_path / "xdg" / "aruntime"):
         assert stat.S_IMODE(d.stat().st_mode) == 0o700 or os.name != "posix"
-    monkeypatch.setenv("CACHEDB", str(tmp_path / "other.db"))
+    monkeypatch.setenv("ARUNTIME_CACHEDB", str(tmp_path / "other.db"))
     assert cache_path() == tmp_path / "other.db"
     assert cache_get("t", "k") is None
 
@@ -78,7 +79,7 @@ def test_location_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_hit_miss_and_missing_table(db: Path) -> None:
     assert cache_get("nosuchtable", "k") is None
-    assert not db.exists() or "nosuchtable_v1" not in _tables(db)  # a get creates no table
+    assert not db.exists() or f"nosuchtable_v{CACHE_VERSION}" not in _tables(db)  # a get creates no table
     cache_put("tbl", "k1", b"one")
     assert cache_get("tbl", "k1") == b"one"
     assert cache_get("tbl", "k2") is None
@@ -113,7 +114,8 @@ def test_values_are_raw_blobs(db: Path) -> None:
         rows = con.execute(f'SELECT key, typeof(value), value FROM "blobs_v{CACHE_VERSION}"').fetchall()
     assert {(k, t) for k, t, _ in rows} == {("key", "blob"), ("ba", "blob")}
     stored = dict((k, v) for k, _, v in rows)
-    assert stored["key"] == value  # exactly the bytes, not a pickle of them
+    assert stored["key"][32:] == value  # exactly the bytes behind their checksum, not a pickle of them
+    assert stored["key"][:32] == hashlib.blake2b(value, digest_size=32).digest()
     assert stored["key"] != pickle.dumps(value)
     with pytest.raises(TypeError):
         cache_put("blobs", "s", "text")  # type: ignore[arg-type]
@@ -126,11 +128,11 @@ def test_wal_mode(db: Path) -> None:
 
 
 def test_cachelevel_0_creates_nothing(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CACHELEVEL", "0")
+    monkeypatch.setenv("ARUNTIME_CACHELEVEL", "0")
     cache_put("t", "k", b"v")
     assert cache_get("t", "k") is None
     assert not db.parent.exists()
-    monkeypatch.setenv("CACHELEVEL", "1")
+    monkeypatch.setenv("ARUNTIME_CACHELEVEL", "1")
     cache_put("t", "k", b"v")
     assert cache_get("t", "k") == b"v"
 
@@ -263,7 +265,7 @@ def test_no_cachekey_never_caches(db: Path) -> None:
 
 
 def test_disable_compiler_cache(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("DISABLE_COMPILER_CACHE", "1")
+    monkeypatch.setenv("ARUNTIME_DISABLE_COMPILER_CACHE", "1")
     cc = CountingCompiler()
     for _ in range(3):
         assert cc.compile_cached("src") == b"\0src"
@@ -273,14 +275,14 @@ def test_disable_compiler_cache(db: Path, monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_assert_compile(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cc = CountingCompiler("-O1")
-    monkeypatch.setenv("ASSERT_COMPILE", "1")
-    with pytest.raises(CacheError, match="ASSERT_COMPILE=1") as ei:
+    monkeypatch.setenv("ARUNTIME_ASSERT_COMPILE", "1")
+    with pytest.raises(CacheError, match="ARUNTIME_ASSERT_COMPILE=1") as ei:
         cc.compile_cached("cold")
     assert cc.cachekey is not None and cc.cachekey in str(ei.value)
     assert cc.calls == 0
-    monkeypatch.delenv("ASSERT_COMPILE")
+    monkeypatch.delenv("ARUNTIME_ASSERT_COMPILE")
     cc.compile_cached("cold")  # warm it
-    monkeypatch.setenv("ASSERT_COMPILE", "1")
+    monkeypatch.setenv("ARUNTIME_ASSERT_COMPILE", "1")
     assert cc.compile_cached("cold") == b"-O1\0cold"
     assert cc.calls == 1
 
@@ -299,7 +301,7 @@ N_PROCS, N_ENTRIES = 4, 200
 
 
 def _writer(path: str, wid: int, ready: Any, go: Any, errors: Any) -> None:
-    os.environ["CACHEDB"] = path
+    os.environ["ARUNTIME_CACHEDB"] = path
     try:
         ready.put(wid)
         if not go.wait(timeout=30):

@@ -21,12 +21,13 @@ from aruntime.backends.null import NullDevice
 from aruntime.helpers import canonicalize
 
 KINDS = ("CPU", "DISK", "NULL", "FAKE", "BROKEN", "CUDA", "CL")
+KIND_VARS = tuple(f"ARUNTIME_{kind}" for kind in KINDS)
 
 
 def child_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     """The environment of a child python: no device-kind variables, a private compile cache."""
-    env = {k: v for k, v in os.environ.items() if k not in KINDS and k not in ("CC", "LRU")}
-    env["CACHEDB"] = str(tmp_path / "cache.db")
+    env = {k: v for k, v in os.environ.items() if k not in KIND_VARS and k not in ("CC", "ARUNTIME_LRU")}
+    env["ARUNTIME_CACHEDB"] = str(tmp_path / "cache.db")
     env.update(extra)
     return env
 
@@ -47,8 +48,8 @@ def run_check(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 def fresh_default() -> Iterator[None]:
     """Let a test choose the default device in this process, then restore the environment and the choice."""
     saved_env, saved_default = dict(os.environ), Device._default
-    for kind in KINDS:
-        os.environ.pop(kind, None)
+    for var in KIND_VARS:
+        os.environ.pop(var, None)
     Device._default = None
     try:
         yield
@@ -70,7 +71,8 @@ def fresh_default() -> Iterator[None]:
         ("cpu:0", "CPU"),
         ("Cpu:1", "CPU:1"),
         ("cpu:10", "CPU:10"),
-        ("cpu:00", "CPU:00"),
+        ("cpu:00", "CPU"),
+        ("cpu:007", "CPU:7"),
         ("null:0", "NULL"),
         ("disk:/tmp/A", "DISK:/tmp/A"),
         ("Disk:/Data/Mixed/Case.bin", "DISK:/Data/Mixed/Case.bin"),
@@ -84,7 +86,7 @@ def test_canonical_names(name: str, canonical: str) -> None:
 
 @pytest.mark.parametrize("name", ["", ":0", ":CPU", 3, b"CPU"])
 def test_malformed_names_are_clear_errors(name: object) -> None:
-    with pytest.raises(DeviceError, match=r"invalid device name .*expected KIND or KIND:ARG"):
+    with pytest.raises(DeviceError, match=r"invalid device name .*expected KIND, KIND:N with N >= 0, or KIND:ARG"):
         Device[name]  # type: ignore[index]
 
 
@@ -99,7 +101,7 @@ def test_device_opens_once_and_is_tracked() -> None:
 
 
 def test_concurrent_first_opens_give_one_device() -> None:
-    name = "NULL:registry-race"
+    name = "NULL:7103"
     assert name not in Device.opened
     barrier = threading.Barrier(8)
     got: list[object] = []
@@ -150,9 +152,10 @@ def test_is_dtype_supported(fresh_default: None, tmp_path: Path) -> None:
         is_dtype_supported(dtypes.float32, "NOPE")
 
 
-def test_default_in_process_is_cpu_and_exported(fresh_default: None) -> None:
+def test_default_in_process_is_cpu_and_the_environment_is_left_alone(fresh_default: None) -> None:
+    before = dict(os.environ)
     assert Device.DEFAULT == "CPU"
-    assert os.environ["CPU"] == "1"
+    assert dict(os.environ) == before  # the choice is not written back: a child finds it by the same rule
     assert Device[None] is Device["CPU"]
 
 
@@ -167,10 +170,10 @@ try:
 except DeviceError as exc:
     print(json.dumps({"error": str(exc)}))
     raise SystemExit(0)
-grandchild = subprocess.run([sys.executable, "-c", "import os; print(os.environ.get(%r))" % default],
+grandchild = subprocess.run([sys.executable, "-c", "from aruntime import Device; print(Device.DEFAULT)"],
                             capture_output=True, text=True, check=True).stdout.strip()
 none_is_default = Device[None] is Device[default]
-print(json.dumps({"default": default, "opened": list(Device.opened), "exported": grandchild,
+print(json.dumps({"default": default, "opened": list(Device.opened), "child": grandchild,
                   "none_is_default": none_is_default}))
 """
 
@@ -179,21 +182,24 @@ print(json.dumps({"default": default, "opened": list(Device.opened), "exported":
     ("env", "expected"),
     [
         ({}, "CPU"),  # first kind of the priority list that opens
-        ({"NULL": "1"}, "NULL"),  # a kind's variable set to 1 wins
-        ({"DISK": "1"}, "CPU"),  # file-backed kinds are never the default
-        ({"NULL": "0"}, "CPU"),
+        ({"ARUNTIME_NULL": "1"}, "NULL"),  # a kind's variable set to 1 wins
+        ({"ARUNTIME_DISK": "1"}, "CPU"),  # file-backed kinds are never the default
+        ({"ARUNTIME_NULL": "0"}, "CPU"),
+        ({"NULL": "1"}, "CPU"),  # the old unprefixed name is gone
     ],
 )
-def test_default_device_selection_and_export(tmp_path: Path, env: dict[str, str], expected: str) -> None:
+def test_default_device_selection_and_children(tmp_path: Path, env: dict[str, str], expected: str) -> None:
     proc = run_python(DEFAULT_PROBE, child_env(tmp_path, **env))
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout)
-    assert got == {"default": expected, "opened": [expected], "exported": "1", "none_is_default": True}
+    assert got == {"default": expected, "opened": [expected], "child": expected, "none_is_default": True}
 
 
 def test_two_default_kinds_in_the_environment_is_an_error(tmp_path: Path) -> None:
-    proc = run_python(DEFAULT_PROBE, child_env(tmp_path, CPU="1", NULL="1"))
-    assert json.loads(proc.stdout) == {"error": "several device kinds are set to 1 in the environment: CPU, NULL"}
+    proc = run_python(DEFAULT_PROBE, child_env(tmp_path, ARUNTIME_CPU="1", ARUNTIME_NULL="1"))
+    assert json.loads(proc.stdout) == {
+        "error": "several device kinds are set to 1 in the environment: ARUNTIME_CPU, ARUNTIME_NULL"
+    }
 
 
 def _open_in_child(disk_path: str) -> dict[str, str]:
@@ -232,8 +238,9 @@ def test_check_passes_on_the_default_and_lists_every_kind(tmp_path: Path) -> Non
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     assert "CPU (default): open PASS, kernel PASS" in lines
-    assert any(line.startswith("DISK: open PASS, kernel FAIL - ") for line in lines)
-    assert any(line.startswith("NULL: open PASS, kernel FAIL - ") and "no check kernel" in line for line in lines)
+    assert any(line.startswith("DISK: open PASS, kernel n/a - ") for line in lines)
+    assert any(line.startswith("NULL: open PASS, kernel n/a - ") and "no check kernel" in line for line in lines)
+    assert not any("FAIL" in line for line in lines)
     assert sum("(default)" in line for line in lines) == 1
 
 
@@ -246,7 +253,7 @@ def test_check_fails_when_the_default_kernel_fails(tmp_path: Path) -> None:
 
 
 def test_check_fails_when_the_default_does_not_open(tmp_path: Path) -> None:
-    proc = run_check(child_env(tmp_path, NOPE="1", CPU="1", NULL="1"))
+    proc = run_check(child_env(tmp_path, ARUNTIME_NOPE="1", ARUNTIME_CPU="1", ARUNTIME_NULL="1"))
     assert proc.returncode == 1
     assert "no default device: several device kinds are set to 1" in proc.stdout
     assert "CPU: open PASS, kernel PASS" in proc.stdout.splitlines()  # the other kinds are still checked
@@ -335,13 +342,13 @@ def test_an_installed_package_adds_a_device_kind(fake_site: Path, tmp_path: Path
     check = run_check(env)
     assert check.returncode == 0, check.stdout + check.stderr
     lines = check.stdout.splitlines()
-    assert any(line.startswith("FAKE: open PASS, kernel FAIL - ") for line in lines)
+    assert any(line.startswith("FAKE: open PASS, kernel n/a - ") for line in lines)
     broken = next(line for line in lines if line.startswith("BROKEN:"))
     assert broken.startswith("BROKEN: open FAIL, kernel FAIL - open failed: backend fake_backend:NoSuchDevice")
     assert "CPU (default): open PASS, kernel PASS" in lines
 
     # the installed kind can be chosen as the default like a built-in one
-    proc = run_python(DEFAULT_PROBE, {**env, "FAKE": "1"})
+    proc = run_python(DEFAULT_PROBE, {**env, "ARUNTIME_FAKE": "1"})
     assert json.loads(proc.stdout)["default"] == "FAKE"
 
 

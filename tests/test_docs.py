@@ -126,8 +126,8 @@ def docs_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     cache = tmp_path_factory.mktemp("docs-cache")
     cache.chmod(0o700)
     env = dict(os.environ)
-    env["CACHEDB"] = str(cache / "cache.db")
-    env.pop("DEFAULT_FLOAT", None)
+    env["ARUNTIME_CACHEDB"] = str(cache / "cache.db")
+    env.pop("ARUNTIME_DEFAULT_FLOAT", None)
     return env
 
 

@@ -114,7 +114,7 @@ def test_groups_and_defaults() -> None:
     assert set(dtypes.ints) == set(dtypes.uints) | set(dtypes.sints)
     assert len(dtypes.ints) == 8
     assert dtypes.default_int is dtypes.int32
-    if not os.environ.get("DEFAULT_FLOAT"):
+    if not os.environ.get("ARUNTIME_DEFAULT_FLOAT"):
         assert dtypes.default_float is dtypes.float32
 
 
@@ -799,7 +799,7 @@ def test_truncate_is_idempotent(x: float) -> None:
             assert truncate[dt](once) == once
 
 
-# -------------------- DEFAULT_FLOAT
+# -------------------- ARUNTIME_DEFAULT_FLOAT
 
 
 @pytest.mark.parametrize(
@@ -819,7 +819,7 @@ def test_default_float_setting(value: str, expected: DType) -> None:
 
 @pytest.mark.parametrize(("value", "message"), [("int32", "not a float type"), ("floaty", "not a dtype name")])
 def test_default_float_setting_errors(value: str, message: str) -> None:
-    with pytest.raises(ValueError, match=f"DEFAULT_FLOAT='{value}'.*{message}"):
+    with pytest.raises(ValueError, match=f"ARUNTIME_DEFAULT_FLOAT='{value}'.*{message}"):
         _default_float_from_env(value)
 
 
@@ -828,9 +828,9 @@ def test_default_float_env_at_import() -> None:
         "from aruntime.dtype import dtypes, least_upper_float; "
         "print(repr(dtypes.default_float), repr(least_upper_float(dtypes.int)), repr(dtypes.from_py(1.0)))"
     )
-    proc = _run_python(code, DEFAULT_FLOAT="HALF")
+    proc = _run_python(code, ARUNTIME_DEFAULT_FLOAT="HALF")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["dtypes.half", "dtypes.half", "dtypes.half"]
-    bad = _run_python("import aruntime.dtype", DEFAULT_FLOAT="uint8")
+    bad = _run_python("import aruntime.dtype", ARUNTIME_DEFAULT_FLOAT="uint8")
     assert bad.returncode != 0
-    assert "ValueError" in bad.stderr and "DEFAULT_FLOAT='uint8'" in bad.stderr
+    assert "ValueError" in bad.stderr and "ARUNTIME_DEFAULT_FLOAT='uint8'" in bad.stderr

@@ -1,4 +1,4 @@
-"""Recording: profile() regions, host ranges, graph replays, and PROFILE=1 at exit."""
+"""Recording: profile() regions, host ranges, graph replays, and ARUNTIME_PROFILE=1 at exit."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ async def test_a_region_records_its_ops_dependencies_and_clock_offsets(tmp_path:
 
 async def test_regions_nest_and_leave_no_events_behind() -> None:
     dev = Device["NULL"]
-    prog = await dev.compile("")
+    prog = await dev.compile("void kernel(void) {}")
     mark = len(recorder.events)
     async with profile() as outer:
         first = dev.launch(prog)
@@ -102,7 +102,7 @@ def test_a_plain_with_region_waits_for_the_work_it_submitted() -> None:
 
 async def test_a_region_keeps_its_events_when_the_block_raises() -> None:
     dev = Device["NULL"]
-    prog = await dev.compile("")
+    prog = await dev.compile("void kernel(void) {}")
     with pytest.raises(KeyError):
         async with profile() as prof:
             op = dev.launch(prog)
@@ -215,7 +215,7 @@ SCRIPT = """
 
     async def main():
         dev = Device["NULL"]
-        prog = await dev.compile("")
+        prog = await dev.compile("void kernel(void) {}")
         with host_range("submit"):
             ops = [dev.launch(prog) for _ in range(10)]
         for op in ops:
@@ -229,7 +229,7 @@ SCRIPT = """
 
 def test_profile_env_writes_the_trace_at_exit(tmp_path: Path) -> None:
     target = tmp_path / "out" / "run.json"
-    proc = run_script(SCRIPT, {"PROFILE": "1", "PROFILE_PATH": str(target)}, tmp_path)
+    proc = run_script(SCRIPT, {"ARUNTIME_PROFILE": "1", "ARUNTIME_PROFILE_PATH": str(target)}, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert f"wrote {target}" in proc.stderr
     assert "aruntime profile view" in proc.stderr
@@ -247,7 +247,7 @@ def test_profile_env_writes_the_trace_at_exit(tmp_path: Path) -> None:
 def test_profile_env_unset_records_nothing(tmp_path: Path) -> None:
     proc = run_script(
         SCRIPT + "\n    from aruntime.events import recorder\n    print(recorder.enabled)\n",
-        {"PROFILE": "0", "PROFILE_PATH": str(tmp_path / "no.json")},
+        {"ARUNTIME_PROFILE": "0", "ARUNTIME_PROFILE_PATH": str(tmp_path / "no.json")},
         tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
@@ -257,14 +257,14 @@ def test_profile_env_unset_records_nothing(tmp_path: Path) -> None:
 
 def test_profile_env_writes_nothing_for_a_process_that_did_nothing(tmp_path: Path) -> None:
     target = tmp_path / "idle.json"
-    proc = run_script("import aruntime\n", {"PROFILE": "1", "PROFILE_PATH": str(target)}, tmp_path)
+    proc = run_script("import aruntime\n", {"ARUNTIME_PROFILE": "1", "ARUNTIME_PROFILE_PATH": str(target)}, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert not target.exists() and "aruntime profile" not in proc.stderr
 
 
 async def test_a_region_without_sync_neither_waits_nor_aligns_clocks() -> None:
     dev = Device["NULL"]
-    prog = await dev.compile("")
+    prog = await dev.compile("void kernel(void) {}")
     async with profile(sync=False) as prof:
         op = dev.launch(prog)
         await op

@@ -74,11 +74,11 @@ def test_summary_command_prints_text_and_json(tmp_path: Path, capsys: pytest.Cap
 
 
 def test_commands_report_unreadable_traces(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["profile", "summary", str(tmp_path / "missing.json")]) == 1
+    assert main(["profile", "summary", str(tmp_path / "missing.json")]) == 2
     (tmp_path / "bad.json").write_text("{not json")
-    assert main(["profile", "view", "--no-open", str(tmp_path / "bad.json")]) == 1
+    assert main(["profile", "view", "--no-open", str(tmp_path / "bad.json")]) == 2
     err = capsys.readouterr().err
-    assert "missing.json" in err and "aruntime profile view" in err
+    assert "missing.json" in err and f"aruntime profile view: {tmp_path / 'bad.json'}: not a JSON trace" in err
 
 
 def test_view_writes_a_self_contained_page(
@@ -98,13 +98,16 @@ def test_view_writes_a_self_contained_page(
     data = json.loads(re.search(r'<script id="trace-data" type="application/json">(.*?)</script>', html, re.S)[1])  # type: ignore[index]
     assert len(data["s"]) == 8 and len(data["a"]) == 4
     assert "</script><b>&" in data["names"]
-    assert [t["label"] for t in data["tracks"]] == [
+    assert [t["label"] for t in data["tracks"]] == [  # CPU:1 copied nothing: no empty copy row
         "host · host",
         "CPU · compute",
         "CPU · copy",
         "CPU:1 · compute",
-        "CPU:1 · copy",
     ]
+    # of the 200 µs span, CPU computes 20, copies 11, both 5; "4 KiB" is not a byte count as the runtime writes it
+    strip = data["summary"]
+    assert strip["copy_bytes"] == 0 and strip["devices"][0] == ["CPU", 10.0, 5.5, 2.5]
+    assert strip["busy_queues"] == pytest.approx((20 + 11 + 60) / 200, abs=1e-3)
     out = tmp_path / "elsewhere" / "page.html"
     assert main(["profile", "view", "--no-open", "-o", str(out), str(path)]) == 0
     assert out.exists() and out.read_text() == html

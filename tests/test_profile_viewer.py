@@ -76,8 +76,8 @@ def page_state(dom: str) -> tuple[str, dict[str, str]]:
     return title[1], attrs
 
 
-def png_pixels(path: Path) -> tuple[int, int, set[tuple[int, int, int]]]:
-    """Width, height and the set of RGB colours of an 8-bit RGB/RGBA, non-interlaced PNG."""
+def png_rows(path: Path) -> list[list[tuple[int, int, int]]]:
+    """The RGB pixels, row by row, of an 8-bit RGB/RGBA, non-interlaced PNG."""
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     pos, idat, width = 8, b"", 0
@@ -95,7 +95,7 @@ def png_pixels(path: Path) -> tuple[int, int, set[tuple[int, int, int]]]:
     raw = zlib.decompress(idat)
     stride = width * channels
     prev = bytearray(stride)
-    colours: set[tuple[int, int, int]] = set()
+    rows = []
     for y in range(height):
         filt = raw[y * (stride + 1)]
         line = bytearray(raw[y * (stride + 1) + 1 : (y + 1) * (stride + 1)])
@@ -113,10 +113,14 @@ def png_pixels(path: Path) -> tuple[int, int, set[tuple[int, int, int]]]:
                 p = a + b - c
                 pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
                 line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 0xFF
-        for x in range(0, stride, channels * 4):  # every 4th pixel is plenty
-            colours.add((line[x], line[x + 1], line[x + 2]))
+        rows.append([(line[x], line[x + 1], line[x + 2]) for x in range(0, stride, channels)])
         prev = line
-    return width, height, colours
+    return rows
+
+
+BACKGROUND = {(0xFA, 0xFA, 0xFA), (0xF3, 0xF3, 0xF3), (0xE4, 0xE4, 0xE4), (0xFF, 0xFF, 0xFF), (0xCC, 0xCC, 0xCC)}
+"""The lane backgrounds (alternating rows), the grid lines, the label column and the process separators."""
+COMPUTE, COPY, HOST = (0x4E, 0x79, 0xA7), (0xF2, 0x8E, 0x2B), (0x59, 0xA1, 0x4F)
 
 
 async def pipeline(path: Path) -> None:
@@ -145,7 +149,7 @@ def test_the_timeline_draws_a_real_trace(chromium: str, tmp_path: Path) -> None:
     anyio.run(pipeline, trace_path)
     tl = parse_trace(load_trace(trace_path))
     arrows = len(tl.arrows)  # a wait (and its arrow) only where the op waited for was still running: at most 2 a batch
-    assert len(tl.slices) == 13 and arrows <= 8  # 12 device ranges + 1 host range
+    assert len(tl.slices) == 13 and 0 < arrows <= 8  # 12 device ranges + 1 host range
     page = write_html(trace_path)
     assert page == tmp_path / "pipeline.html"
 
@@ -153,13 +157,36 @@ def test_the_timeline_draws_a_real_trace(chromium: str, tmp_path: Path) -> None:
     title, state = page_state(dom)
     assert title == "drawn:13"
     assert state["ready"] == "1" and state["ranges"] == "13" and state["drawn"] == "13"
-    assert state["tracks"] == "5" and state["dependencies"] == str(arrows) and state["arrows"] == str(arrows)
+    assert state["tracks"] == "5" and state["dependencies"] == str(arrows)
+    assert state["arrows"] == "0" and state["selected"] == "-1"  # no arrows until a range is picked
+    assert 'id="all-deps"' in dom and "queues busy at once" in dom and "CPU:7</b> compute" in dom
+
+    _, state = page_state(run_chromium(chromium, tmp_path / "profile-c", "--dump-dom", page.as_uri() + "#arrows"))
+    assert state["arrows"] == str(arrows)  # on demand: every one in view
+    src = tl.arrows[0][0]
+    wanted = sum(src in pair for pair in tl.arrows)  # arrows into and out of the range that arrow starts at
+    _, state = page_state(run_chromium(chromium, tmp_path / "profile-d", "--dump-dom", f"{page.as_uri()}#select={src}"))
+    assert state["selected"] == str(src) and state["arrows"] == str(wanted) and 0 < wanted < arrows + 1
 
     shot = tmp_path / "timeline.png"
     run_chromium(chromium, tmp_path / "profile-b", f"--screenshot={shot}", "--window-size=1400,800", page.as_uri())
-    width, height, colours = png_pixels(shot)
-    assert (width, height) == (1400, 800)
-    assert {(0x4E, 0x79, 0xA7), (0xF2, 0x8E, 0x2B), (0x59, 0xA1, 0x4F)} <= colours  # compute, copy and host drawn
+    _, state = page_state(
+        run_chromium(chromium, tmp_path / "profile-e", "--window-size=1400,800", "--dump-dom", page.as_uri())
+    )
+    rows = png_rows(shot)
+    assert (len(rows[0]), len(rows)) == (1400, 800)
+    label_w, row_h, top = int(state["label-w"]), int(state["row-h"]), int(state["lanes-top"])
+    assert row_h > 26  # five lanes in an 800 px window: the rows grow to fill the page
+    assert top + 5 * row_h > 0.6 * 800  # the lanes reach down the page, no empty lower part
+    for lane in range(5):  # every lane has bars drawn in it
+        band = rows[top + lane * row_h + 4 : top + (lane + 1) * row_h - 4]
+        drawn = sum(px not in BACKGROUND for line in band for px in line[label_w + 2 :])
+        colours = {px for line in band for px in line[label_w + 2 :]}
+        assert drawn > 200, (lane, drawn)
+        assert colours & {COMPUTE, COPY, HOST}, lane
+    assert {px for line in rows[top:] for px in line} >= {COMPUTE, COPY, HOST}
+    labels = {px for line in rows[top : top + 5 * row_h] for px in line[8:label_w]}
+    assert len(labels - BACKGROUND) > 3  # lane labels are written
 
 
 def big_trace(path: Path, count: int) -> Path:

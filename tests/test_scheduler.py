@@ -8,8 +8,7 @@ from typing import Any
 import anyio
 import pytest
 
-from aruntime import Buffer, DependencyError, Device, OpError, Program, dtypes
-from aruntime.scheduler import Scheduler
+from aruntime import Buffer, DependencyError, Device, Graph, OpError, Program, Scheduler, SchedulerFull, dtypes
 from tests.kernels import ADD_ONE, SCALE, SPINS, Failing, closed_gate
 
 pytestmark = pytest.mark.anyio
@@ -42,33 +41,54 @@ async def test_pipeline_results_across_two_devices() -> None:
             d = devs[i % 2]
             x = await d.allocate(n, dtypes.float32)
             y = await d.allocate(n, dtypes.float32)
-            await sched.copyin(x, array.array("f", [float(i)] * n))
-            await sched.launch(progs[d.name], y, x, vals=(n, 3.0))
-            handles.append(await sched.copyout(y))
+            sched.copyin(x, array.array("f", [float(i)] * n))
+            sched.launch(progs[d.name], y, x, vals=(n, 3.0))
+            handles.append(sched.copyout(y))
             assert sched.in_flight <= 6
     for i, h in enumerate(handles):
         assert set(array.array("f", bytes(await h))) == {3.0 * i}
 
 
-async def test_full_window_makes_enqueue_wait() -> None:
+async def test_full_window_queues_ops_in_order_and_room_waits_for_it() -> None:
     dev, flag, gate, add, out, bufs = await _window_case("CPU:1")
-    admitted = anyio.Event()
+    roomy = anyio.Event()
     with anyio.fail_after(10):
         async with Scheduler(window=3) as sched, anyio.create_task_group() as tg:
-            await sched.launch(gate, out, vals=(flag.handle, SPINS))  # holds the compute queue
-            await sched.launch(add, bufs[0], vals=(8,))
-            await sched.launch(add, bufs[1], vals=(8,))
+            sched.launch(gate, out, vals=(flag.handle, SPINS))  # holds the compute queue
+            sched.launch(add, bufs[0], vals=(8,))
+            sched.launch(add, bufs[1], vals=(8,))
+            fourth = sched.launch(add, bufs[2], vals=(8,))  # returned at once, queued: not handed on
+            assert (sched.in_flight, sched.queued) == (3, 1)
+            assert not fourth.dispatched and not fourth.done()
 
-            async def fourth() -> None:
-                await sched.launch(add, bufs[2], vals=(8,))
-                admitted.set()
+            async def wait_for_room() -> None:
+                await sched.room()
+                roomy.set()
 
-            tg.start_soon(fourth)
+            tg.start_soon(wait_for_room)
             await anyio.wait_all_tasks_blocked()
-            assert not admitted.is_set() and sched.in_flight == 3
+            assert not roomy.is_set()
             await dev.copyin(flag, array.array("i", [1]))  # open the gate: the window drains
-            await admitted.wait()
+            await fourth
+            await roomy.wait()
+            assert sched.queued == 0
     assert bytes(await dev.copyout(bufs[2])) == b"\x01" * 8
+
+
+async def test_a_full_queue_refuses_more_until_there_is_room() -> None:
+    dev, flag, gate, add, out, bufs = await _window_case("CPU:1")
+    with anyio.fail_after(10):
+        async with Scheduler(window=1, queue=2) as sched:
+            sched.launch(gate, out, vals=(flag.handle, SPINS))  # fills the window
+            queued = [sched.launch(add, b, vals=(8,)) for b in bufs[:2]]
+            with pytest.raises(SchedulerFull, match=r"2 ops already wait .* window of 1 \(queue=2\)"):
+                sched.launch(add, bufs[2], vals=(8,))
+            assert sched.queued == 2
+            await dev.copyin(flag, array.array("i", [1]))
+            await sched.room()
+            assert sched.queued == 0 and all(op.done() for op in queued)
+            await sched.launch(add, bufs[2], vals=(8,))
+    assert [bytes(await dev.copyout(b)) for b in bufs] == [b"\x01" * 8] * 3
 
 
 async def test_failure_fails_dependents_spares_independents_and_raises_on_exit() -> None:
@@ -80,9 +100,9 @@ async def test_failure_fails_dependents_spares_independents_and_raises_on_exit()
     await dev.copyin(b, bytes(4))
     with pytest.raises(OpError, match="kernel blew up"):
         async with Scheduler() as sched:
-            await sched.launch(bad, a)
-            dependent = await sched.copyout(a)
-            independent = await sched.launch(add, b, vals=(4,))
+            sched.launch(bad, a)
+            dependent = sched.copyout(a)
+            independent = sched.launch(add, b, vals=(4,))
             await independent
             with pytest.raises(DependencyError, match="depends on broken, which failed") as info:
                 await dependent
@@ -91,13 +111,14 @@ async def test_failure_fails_dependents_spares_independents_and_raises_on_exit()
     await dev.synchronize()  # the scheduler reported the failures: nothing left unobserved
 
 
-async def test_cancelled_scope_drops_unsubmitted_and_waits_for_running() -> None:
+async def test_cancelled_scope_drops_queued_ops_and_waits_for_running() -> None:
     dev, flag, gate = await _gate("CPU:2")
     add = await dev.compile(ADD_ONE)
     out = await dev.allocate(1, dtypes.int32)
     buf = await dev.allocate(16)
     await dev.copyin(buf, bytes(16))
     submitted: list[Any] = []
+    dropped: list[Any] = []
     in_drain = anyio.Event()
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
@@ -106,9 +127,10 @@ async def test_cancelled_scope_drops_unsubmitted_and_waits_for_running() -> None
                 with anyio.CancelScope() as scope:
                     task_status.started(scope)
                     async with Scheduler(window=2) as sched:
-                        submitted.append(await sched.launch(gate, out, vals=(flag.handle, SPINS)))
-                        submitted.append(await sched.launch(add, buf, vals=(16,)))
-                        submitted.append(await sched.launch(add, buf, vals=(16,)))  # waits: never submitted
+                        submitted.append(sched.launch(gate, out, vals=(flag.handle, SPINS)))
+                        submitted.append(sched.launch(add, buf, vals=(16,)))
+                        dropped.append(sched.launch(add, buf, vals=(16,)))  # queued: never submitted
+                        await anyio.sleep_forever()
                 in_drain.set()
 
             scope = await tg.start(pipeline)
@@ -121,7 +143,34 @@ async def test_cancelled_scope_drops_unsubmitted_and_waits_for_running() -> None
             await in_drain.wait()
     assert len(submitted) == 2 and all(op.done() for op in submitted)
     assert dev.compute.last == last and buf.is_allocated()
-    assert bytes(await dev.copyout(buf)) == b"\x01" * 16
+    with pytest.raises(OpError, match="was dropped: its scheduler closed before it was admitted"):
+        await dropped[0]
+    with pytest.raises(DependencyError):  # like a failed write: what it should have written is not valid
+        await dev.copyout(buf)
+    await dev.synchronize()  # a dropped op is no failure nobody saw
+    await dev.copyin(buf, bytes(16))  # written again: valid
+    assert bytes(await dev.copyout(buf)) == bytes(16)
+
+
+async def test_a_dropped_op_is_done_only_after_the_ops_it_waits_for() -> None:
+    dev, flag, gate = await _gate("CPU:6")
+    out = await dev.allocate(1, dtypes.int32)
+    with anyio.fail_after(10):
+        with pytest.raises(RuntimeError, match="the pipeline failed"):
+            async with Scheduler(window=1, drain_timeout=0.1) as sched:
+                kernel = sched.launch(gate, out, vals=(flag.handle, SPINS))  # fills the window, writes out
+                dropped = sched.copyin(out, bytes(4))  # queued; the hazard log keeps it in place of the kernel
+                raise RuntimeError("the pipeline failed")
+        # the drain gave up on the kernel, which still writes out: the dropped copy-in must not count as done
+        # yet, or freeing out would hand its memory back while the kernel uses it
+        assert not kernel.done() and not dropped.done()
+        in_use = dev.allocator.in_use
+        out.deallocate()
+        assert dev.allocator.in_use == in_use  # released once the kernel is done, not now
+        await dev.copyin(flag, array.array("i", [1]))
+        assert await kernel is None
+        with pytest.raises(OpError, match="was dropped: its scheduler closed before it was admitted"):
+            await dropped
 
 
 async def test_many_tasks_share_one_scheduler() -> None:
@@ -132,9 +181,9 @@ async def test_many_tasks_share_one_scheduler() -> None:
     async def request(sched: Scheduler, i: int) -> None:
         x = await dev.allocate(64, dtypes.float32)
         y = await dev.allocate(64, dtypes.float32)
-        await sched.copyin(x, array.array("f", [float(i)] * 64))
-        await sched.launch(prog, y, x, vals=(64, 2.0))
-        results[i] = set(array.array("f", bytes(await (await sched.copyout(y)))))
+        sched.copyin(x, array.array("f", [float(i)] * 64))
+        sched.launch(prog, y, x, vals=(64, 2.0))
+        results[i] = set(array.array("f", bytes(await sched.copyout(y))))
 
     async with Scheduler(window=16) as sched, anyio.create_task_group() as tg:
         for i in range(100):
@@ -146,36 +195,42 @@ async def test_enqueue_outside_the_context_is_an_error() -> None:
     sched = Scheduler()
     buf = await Device["CPU"].allocate(4)
     with pytest.raises(RuntimeError, match="not open"):
-        await sched.copyin(buf, bytes(4))
+        sched.copyin(buf, bytes(4))
     with pytest.raises(ValueError, match="window must be a positive int"):
         Scheduler(window=0)
+    with pytest.raises(ValueError, match="queue must be a non-negative int, got -1"):
+        Scheduler(queue=-1)
     with pytest.raises(ValueError, match="drain_timeout must be a positive number of seconds, got -1"):
         Scheduler(drain_timeout=-1)
 
 
-async def test_waiting_tasks_are_admitted_in_turn_and_a_cancelled_one_leaves_the_queue() -> None:
+async def test_queued_ops_are_admitted_in_order_whoever_awaits_them() -> None:
     dev, flag, gate, add, out, bufs = await _window_case("CPU:2")
-    admitted: list[int] = []
+    done: list[int] = []
+    ops: list[Any] = []
     with anyio.fail_after(10):
         async with Scheduler(window=1) as sched, anyio.create_task_group() as tg:
-            await sched.launch(gate, out, vals=(flag.handle, SPINS))  # fills the window
+            sched.launch(gate, out, vals=(flag.handle, SPINS))  # fills the window
 
             async def enqueue(i: int, task_status: Any) -> None:
                 with anyio.CancelScope() as scope:
                     task_status.started(scope)
-                    await sched.launch(add, bufs[i], vals=(8,))
-                    admitted.append(i)
+                    ops.append(op := sched.launch(add, bufs[i], vals=(8,)))
+                    await op
+                    done.append(i)
 
             scopes = []
             for i in range(3):
                 scopes.append(await tg.start(enqueue, i))
                 await anyio.wait_all_tasks_blocked()  # queued in this order
-            scopes[1].cancel()  # the middle one gives up its turn
+            assert sched.queued == 3
+            scopes[1].cancel()  # the middle task stops waiting; its op stays enqueued and runs
             await anyio.wait_all_tasks_blocked()
-            assert admitted == []
+            assert done == []
             await dev.copyin(flag, array.array("i", [1]))
-    assert admitted == [0, 2]
-    assert [bytes(await dev.copyout(b)) for b in bufs] == [b"\x01" * 8, bytes(8), b"\x01" * 8]
+    assert sorted(done) == [0, 2]  # the tasks wake in the loop's order, the ops ran in theirs:
+    assert ops[0].value < ops[1].value < ops[2].value  # handed to the compute queue in the order enqueued
+    assert [bytes(await dev.copyout(b)) for b in bufs] == [b"\x01" * 8] * 3
 
 
 async def test_held_op_lets_later_independent_work_on_its_queue_go_first() -> None:
@@ -184,10 +239,10 @@ async def test_held_op_lets_later_independent_work_on_its_queue_go_first() -> No
     other = await dev.allocate(64)
     with anyio.fail_after(10):
         async with Scheduler() as sched:
-            kernel = await sched.launch(gate, out, vals=(flag.handle, SPINS))
-            reader = await sched.copyout(out)  # must wait for the kernel: held off the copy queue
+            kernel = sched.launch(gate, out, vals=(flag.handle, SPINS))
+            reader = sched.copyout(out)  # must wait for the kernel: held off the copy queue
             assert not reader.dispatched and not reader.done()
-            await (await sched.copyin(other, b"x" * 64))  # behind it in program order, done before it
+            await sched.copyin(other, b"x" * 64)  # behind it in program order, done before it
             assert not kernel.done() and not reader.dispatched
             waiter = anyio.Event()
 
@@ -209,8 +264,8 @@ async def test_held_op_behind_a_failure_fails_with_the_first_cause() -> None:
     buf = await dev.allocate(1 << 17)  # too big to ride on the compute queue
     with pytest.raises(OpError, match="kernel blew up"):
         async with Scheduler() as sched:
-            await sched.launch(Failing(dev, "broken", b""), buf)
-            reader = await sched.copyout(buf)
+            sched.launch(Failing(dev, "broken", b""), buf)
+            reader = sched.copyout(buf)
             with pytest.raises(DependencyError, match="depends on broken"):
                 await reader
     await dev.synchronize()
@@ -220,8 +275,23 @@ async def test_held_op_behind_a_failure_fails_with_the_first_cause() -> None:
 async def test_a_scheduler_follows_a_device_that_was_closed_and_reopened() -> None:
     before = Buffer("CPU:9", 8, preallocate=True)
     async with Scheduler() as sched:
-        await (await sched.copyin(before, bytes(8)))
+        await sched.copyin(before, bytes(8))
         Device["CPU:9"].close()
         after = Buffer("CPU:9", 8, preallocate=True)  # on the device opened under that name now
-        await (await sched.copyin(after, b"abcdefgh"))
-        assert bytes(await (await sched.copyout(after))) == b"abcdefgh"
+        await sched.copyin(after, b"abcdefgh")
+        assert bytes(await sched.copyout(after)) == b"abcdefgh"
+
+
+async def test_a_replay_waits_in_the_queue_like_any_op() -> None:
+    dev, flag, gate, add, out, bufs = await _window_case("CPU:3")
+    graph = Graph()
+    graph.copyin(bufs[0], "data")
+    graph.launch(add, bufs[0], vals=(8,))
+    graph.copyout(bufs[0], "result")
+    with anyio.fail_after(10):
+        async with Scheduler(window=1) as sched:
+            sched.launch(gate, out, vals=(flag.handle, SPINS))  # fills the window
+            run = sched.replay(graph, data=bytes(range(8)))
+            assert sched.queued == len(run.ops) and not run.done()
+            await dev.copyin(flag, array.array("i", [1]))
+            assert bytes((await run)["result"]) == bytes(range(1, 9))

@@ -157,24 +157,24 @@ async def test_random_programs_match_sequential_reference(case: Case) -> None:
                 if kind == "copyin":
                     r, data = op[1], op[2]
                     assert isinstance(r, Region)
-                    await sched.copyin(view_of(roots, r), data)
+                    sched.copyin(view_of(roots, r), data)
                 elif kind == "affine":
                     r, a, c = op[1], op[2], op[3]
                     assert isinstance(r, Region) and isinstance(a, int) and isinstance(c, int)
-                    await sched.launch(affine[roots[r.buf].device], view_of(roots, r), vals=(r.length, a, c))
+                    sched.launch(affine[roots[r.buf].device], view_of(roots, r), vals=(r.length, a, c))
                 elif kind == "accumulate":
                     o, x = op[1], op[2]
                     assert isinstance(o, Region) and isinstance(x, Region)
                     prog = accumulate[roots[o.buf].device]
-                    await sched.launch(prog, view_of(roots, o), view_of(roots, x), vals=(o.length,))
+                    sched.launch(prog, view_of(roots, o), view_of(roots, x), vals=(o.length,))
                 elif kind == "copyout":
                     r = op[1]
                     assert isinstance(r, Region)
-                    handles.append(await sched.copyout(view_of(roots, r)))
+                    handles.append(sched.copyout(view_of(roots, r)))
                 else:
                     dst, src = op[1], op[2]
                     assert isinstance(dst, Region) and isinstance(src, Region)
-                    await sched.transfer(view_of(roots, dst), view_of(roots, src))
+                    sched.transfer(view_of(roots, dst), view_of(roots, src))
         got = [bytes(await h) for h in handles]
         assert got == expected
         finals = [bytes(await root.owner.copyout(root)) for root in roots]

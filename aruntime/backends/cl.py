@@ -475,6 +475,8 @@ def _enqueued(dst: int, src: int, nbytes: int) -> None:
 class CLDevice(BaseDevice):
     """An OpenCL device: buffers, OpenCL C kernels, a compute and a copy command queue."""
 
+    copies_host = True
+
     kind = "CL"
     program_type = CLProgram
     allocator_type = CLAllocator

@@ -513,6 +513,8 @@ def _enqueued(dst: int, src: int, nbytes: int) -> None:
 class CUDADevice(BaseDevice):
     """An NVIDIA GPU: device memory, CUDA C++ kernels, a compute and a copy stream."""
 
+    copies_host = True
+
     kind = "CUDA"
     program_type = CUDAProgram
     allocator_type = CUDAAllocator

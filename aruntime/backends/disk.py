@@ -14,24 +14,18 @@ any process, and its bytes are not counted in the allocator's ``in_use``. It run
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import mmap
 import os
 import threading
 from collections.abc import Sequence
 
-from aruntime.allocator import Allocator, BufferSpec, HostAddressed
+from aruntime.allocator import Allocator, BufferSpec, HostAddressed, Mappings
 from aruntime.buffer import Buffer
-from aruntime.device import BaseDevice, Program
+from aruntime.device import BaseDevice, Program, Window
 from aruntime.dtype import DType
 from aruntime.engine import Op
 from aruntime.errors import AllocationError, DeviceError
-
-
-def _address(mapping: mmap.mmap) -> int:
-    """The host address of ``mapping``'s first byte (the temporary buffer export goes with the anchor)."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(mapping))
 
 
 class DiskAllocator(HostAddressed, Allocator[int]):
@@ -46,8 +40,8 @@ class DiskAllocator(HostAddressed, Allocator[int]):
         super().__init__(device)
         self.path = device.partition(":")[2]
         self._fd: int | None = None
-        self._maps: dict[int, mmap.mmap] = {}
-        self._lock = threading.Lock()
+        self._maps = Mappings()
+        self._lock = threading.Lock()  # the file descriptor
 
     def _open(self) -> int:
         if self._fd is None:
@@ -76,38 +70,22 @@ class DiskAllocator(HostAddressed, Allocator[int]):
             except (OSError, OverflowError, ValueError) as exc:
                 reason = getattr(exc, "strerror", None) or exc
                 raise AllocationError(f"{self.device}: cannot map {size} bytes of {self.path!r}: {reason}") from exc
-            address = _address(mapping)
-            self._maps[address] = mapping
-            return address
+            return self._maps.add(mapping)
 
     def _free(self, handle: int, size: int, spec: BufferSpec) -> None:
-        with self._lock:
-            mapping = self._maps.pop(handle, None)
-        if mapping is None:
+        if not self._maps.release(handle):
             raise DeviceError(f"{self.device}: {handle:#x} is not a live mapping of {self.path!r}")
-        with contextlib.suppress(BufferError):  # zero-copy views still use it: closed when the last one goes
-            mapping.close()
-
-    def _mapping_at(self, address: int, size: int) -> tuple[mmap.mmap, int] | None:
-        with self._lock:
-            for start, mapping in self._maps.items():
-                if start <= address and address + size <= start + len(mapping):
-                    return mapping, address - start
-        return None
 
     def _as_buffer(self, handle: int, size: int) -> memoryview:
         """A zero-copy view of the file's bytes; it keeps the mapping alive while it exists."""
-        found = self._mapping_at(handle, size)
-        if found is None:
+        view = self._maps.view(handle, size)
+        if view is None:
             raise DeviceError(f"{self.device}: {size} bytes at {handle:#x} are not inside a live mapping")
-        mapping, start = found
-        return memoryview(mapping)[start : start + size]
+        return view
 
     def flush(self) -> None:
         """Write every live mapping back to the file (``msync``)."""
-        with self._lock:
-            mappings = list(self._maps.values())
-        for mapping in mappings:
+        for mapping in self._maps.live():
             mapping.flush()
 
     def close(self) -> None:
@@ -128,11 +106,12 @@ class DiskDevice(BaseDevice):
     copy_fn = staticmethod(ctypes.memmove)
     allocator: DiskAllocator
 
-    def __init__(self, name: str) -> None:
+    @classmethod
+    def check_name(cls, name: str) -> None:
+        """A DISK device is named ``DISK:PATH``: the path of its file."""
         kind, _, path = name.partition(":")
         if not path:
             raise DeviceError(f"{name}: a {kind} device needs a file path, e.g. {kind}:/path/to/file")
-        super().__init__(name)
 
     @property
     def path(self) -> str:
@@ -154,17 +133,19 @@ class DiskDevice(BaseDevice):
         vals: Sequence[int | float] = (),
         outs: Sequence[int] | None = None,
         hold: bool = False,
+        window: Window | None = None,
     ) -> Op:
         """Always a :class:`DeviceError`: a DISK device runs no kernels."""
         raise DeviceError(
             f"{self.name} stores data and runs no kernels; transfer the data to a compute device such as CPU"
         )
 
-    def close(self) -> None:
-        """Stop the engines, flush the mappings and close the file."""
-        super().close()
-        self.allocator.flush()
-        self.allocator.close()
+    def _finish_close(self, settled: bool) -> None:
+        """Once closed: flush the mappings (``msync``) and close the file."""
+        super()._finish_close(settled)
+        if settled:
+            self.allocator.flush()
+            self.allocator.close()
 
 
 device_class = DiskDevice

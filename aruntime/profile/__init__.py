@@ -1,8 +1,8 @@
 """Profiling: record what the device queues did, export it as a Chrome trace, view and summarize it.
 
-* ``PROFILE=1`` in the environment records everything; at exit every opened
+* ``ARUNTIME_PROFILE=1`` in the environment records everything; at exit every opened
   device is synchronized and asked for its clock offsets, and the trace is
-  written to ``PROFILE_PATH`` (default: ``aruntime-profile-<pid>.json`` in the
+  written to ``ARUNTIME_PROFILE_PATH`` (default: ``aruntime-profile-<pid>.json`` in the
   temp dir); the path is printed.
 * :func:`profile` records one region: ``async with profile() as prof: ...``
   (or a plain ``with``), then ``prof.save("trace.json")``.
@@ -37,6 +37,7 @@ from aruntime.events import (
     now_us,
     recorder,
 )
+from aruntime.helpers import getenv
 from aruntime.profile.trace import build_trace, load_trace, save_events, write_trace
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ _state_lock = threading.Lock()
 _active = 0  # profile() regions currently open
 _outer_enabled = False  # whether recording was on (by someone else) when the first open region began
 _outer_start = 0  # len(recorder.events) when the first open region began
-_env_enabled = False  # PROFILE=1 turned recording on for the whole process
+_env_enabled = False  # ARUNTIME_PROFILE=1 turned recording on for the whole process
 _atexit_installed = False
 
 
@@ -296,11 +297,11 @@ def profile(sync: bool = True, timeout: float | None = None) -> Profile:
     return Profile(sync, timeout)
 
 
-# ---- PROFILE=1 --------------------------------------------------------------------------------------
+# ---- ARUNTIME_PROFILE=1 -----------------------------------------------------------------------------
 
 
 def _env_flag() -> bool:
-    raw = os.environ.get("PROFILE", "").strip()
+    raw = getenv("PROFILE", "").strip()
     try:
         return int(raw) > 0
     except ValueError:
@@ -308,8 +309,9 @@ def _env_flag() -> bool:
 
 
 def default_path() -> Path:
-    """Where ``PROFILE=1`` writes the trace: ``PROFILE_PATH``, else ``aruntime-profile-<pid>.json`` in the temp dir."""
-    configured = os.environ.get("PROFILE_PATH", "").strip()
+    """Where ``ARUNTIME_PROFILE=1`` writes the trace: ``ARUNTIME_PROFILE_PATH``, else
+    ``aruntime-profile-<pid>.json`` in the temp dir."""
+    configured = getenv("PROFILE_PATH", "").strip()
     if configured:
         return Path(configured).expanduser()
     return Path(tempfile.gettempdir()) / f"aruntime-profile-{os.getpid()}.json"
@@ -318,7 +320,7 @@ def default_path() -> Path:
 def write_profile(path: str | os.PathLike[str] | None = None, quiet: bool = False) -> Path:
     """Synchronize every opened device, collect their clock offsets and write all recorded events.
 
-    This is what ``PROFILE=1`` runs at exit. Failures of ops nobody awaited
+    This is what ``ARUNTIME_PROFILE=1`` runs at exit. Failures of ops nobody awaited
     are reported on stderr (the trace is still written).
     """
     target = Path(path) if path is not None else default_path()
@@ -348,7 +350,7 @@ def _at_exit() -> None:
         if not recorder.events and not _opened_devices():
             return  # e.g. a worker process that never used aruntime: nothing to write
         path = default_path()
-        if os.environ.get("PROFILE_PATH", "").strip() and multiprocessing.parent_process() is not None:
+        if getenv("PROFILE_PATH", "").strip() and multiprocessing.parent_process() is not None:
             path = path.with_name(f"{path.stem}-{os.getpid()}{path.suffix}")  # don't overwrite the parent's trace
         write_profile(path)
     except Exception as exc:  # never turn a finished program into a crash at exit
@@ -356,7 +358,7 @@ def _at_exit() -> None:
 
 
 def install_atexit() -> bool:
-    """With ``PROFILE=1`` (any positive integer) set: start recording and write the trace at exit.
+    """With ``ARUNTIME_PROFILE=1`` (any positive integer) set: start recording and write the trace at exit.
 
     Called once when ``aruntime`` is imported; calling it again does nothing.
     Returns whether profiling is on for the whole process.

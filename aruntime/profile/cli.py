@@ -12,8 +12,8 @@ def register(subparsers: Any) -> None:
     """Add the ``profile`` command (with ``view`` and ``summary``) to ``aruntime``'s subparsers."""
     parser = subparsers.add_parser(
         "profile",
-        help="view or summarize a profile trace (record one with PROFILE=1)",
-        description="Work with Chrome traces written by PROFILE=1 or aruntime.profile().",
+        help="view or summarize a profile trace (record one with ARUNTIME_PROFILE=1)",
+        description="Work with Chrome traces written by ARUNTIME_PROFILE=1 or aruntime.profile().",
     )
     sub = parser.add_subparsers(dest="profile_command", required=True)
 
@@ -52,7 +52,13 @@ def run(args: argparse.Namespace) -> int:
             else:
                 print(format_summary(result, args.trace))
             return 0
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        print(
+            f"aruntime profile {args.profile_command}: {exc.filename or args.trace}: {exc.strerror or exc}",
+            file=sys.stderr,
+        )
+        return 2
+    except ValueError as exc:
         print(f"aruntime profile {args.profile_command}: {exc}", file=sys.stderr)
-        return 1
+        return 2
     raise AssertionError(f"unknown profile command {args.profile_command}")  # pragma: no cover - argparse rejects

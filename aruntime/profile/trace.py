@@ -313,9 +313,12 @@ def save_events(events: Iterable[Event], path: str | os.PathLike[str], other: di
 
 
 def load_trace(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a Chrome Trace Event file (object form, or the bare array form)."""
+    """Read a Chrome Trace Event file (object form, or the bare array form); a ValueError names the file."""
     with open(path, encoding="utf-8") as f:
-        data = json.load(f)
+        try:
+            data = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path}: not a JSON trace ({exc})") from None
     if isinstance(data, list):
         return {"traceEvents": data}
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):

@@ -2,15 +2,18 @@
 
 The page is one file: the template ``timeline.html`` (inline CSS and script,
 no network access at all) with the trace's ranges embedded as compact JSON
-columns. It draws a row per device queue on a canvas, colours ranges by kind,
-shows names on hover, draws dependency arrows and a time axis, and zooms and
-pans with the wheel, the mouse and the keyboard.
+columns and a summary strip (bytes copied, queues busy at once, busy and
+overlap per device). It draws a row per device queue on a canvas, colours
+ranges by kind, shows names on hover, draws the dependency arrows of the
+clicked (or hovered) range, or all of them on demand, a time axis, and zooms
+and pans with the wheel, the mouse and the keyboard.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import webbrowser
 from importlib import resources
@@ -18,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from aruntime.profile.model import Timeline, parse_trace, slice_kind
+from aruntime.profile.summary import summarize
 from aruntime.profile.trace import atomic_write, load_trace
 
 PLACEHOLDER = "__ARUNTIME_TRACE_DATA__"
@@ -30,8 +34,11 @@ def template() -> str:
 
 
 def viewer_data(timeline: Timeline, title: str = "aruntime timeline") -> dict[str, Any]:
-    """The columns the page draws from: times relative to the first range, names interned."""
+    """The columns the page draws from: times relative to the first range, names interned; tracks that hold
+    no range (a DISK device's compute queue) are left out."""
     t0 = timeline.start
+    used = sorted({s.track for s in timeline.slices})
+    row_of = {t: i for i, t in enumerate(used)}
     names: dict[str, int] = {}
     kind_ix = {k: i for i, k in enumerate(KINDS)}
     starts: list[float] = []
@@ -55,13 +62,14 @@ def viewer_data(timeline: Timeline, title: str = "aruntime timeline") -> dict[st
             kind = f"graph {kind}"
         starts.append(round(s.start - t0, 3))
         durs.append(round(s.dur, 3))
-        track_ix.append(s.track)
+        track_ix.append(row_of[s.track])
         name_ix.append(names.setdefault(s.name, len(names)))
         kind_col.append(kind_ix.get(kind, kind_ix["other"]))
     return {
         "title": title,
         "tracks": [
-            {"process": t.process, "thread": t.thread, "kind": t.kind, "label": t.label} for t in timeline.tracks
+            {"process": t.process, "thread": t.thread, "kind": t.kind, "label": t.label}
+            for t in map(timeline.tracks.__getitem__, used)
         ],
         "kinds": list(KINDS),
         "names": list(names),
@@ -73,6 +81,37 @@ def viewer_data(timeline: Timeline, title: str = "aruntime timeline") -> dict[st
         "z": depth,
         "a": [i for pair in timeline.arrows for i in pair],
         "span": round(timeline.end - t0, 3),
+        "summary": summary_strip(timeline),
+    }
+
+
+COPY_BYTES = re.compile(r"\b(\d+) B\b")
+"""How a copy range names its size: ``copyin 4096 B``, ``transfer 1048576 B DISK:...->CPU``."""
+
+
+def summary_strip(timeline: Timeline) -> dict[str, Any]:
+    """The page's summary strip: bytes the copies moved, queues busy at once on average, and per device the
+    share of the whole span its compute queue, its copy queue, and both at once were busy (percent)."""
+    span = timeline.end - timeline.start
+    devices = summarize(timeline, top=0)["devices"]
+    copied = 0
+    for s in timeline.slices:
+        found = COPY_BYTES.search(s.name) if slice_kind(s, timeline.tracks[s.track]) == "copy" else None
+        copied += int(found[1]) if found else 0
+    busy = sum(d["compute_busy_us"] + d["copy_busy_us"] for d in devices)
+    pct = 100 / span if span > 0 else 0.0
+    return {
+        "copy_bytes": copied,
+        "busy_queues": round(busy / span, 3) if span > 0 else 0.0,
+        "devices": [
+            [
+                d["device"],
+                round(d["compute_busy_us"] * pct, 1),
+                round(d["copy_busy_us"] * pct, 1),
+                round(d["overlap_us"] * pct, 1),
+            ]
+            for d in devices
+        ],
     }
 
 

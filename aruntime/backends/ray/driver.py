@@ -28,7 +28,7 @@ from aruntime.backends.ray.wire import (
     unpack_error,
 )
 from aruntime.buffer import Buffer
-from aruntime.device import BaseDevice, Program, _indices, check_scalars
+from aruntime.device import BaseDevice, Program, Window, _indices, check_scalars
 from aruntime.dtype import DType, dtypes
 from aruntime.engine import COPY, EXEC, SIGNAL, WAIT, Command, Engine, Op, check_deps
 from aruntime.errors import BufferUsageError, DeviceError, OpError, SignalTimeout
@@ -254,7 +254,7 @@ class RemoteDevice(BaseDevice):
     """A device of any kind on a Ray node, driven through an actor that owns it (see the module docstring)."""
 
     kind = "RAY"
-    host_mapped = False
+    routes_transfers = True
     program_type = RemoteProgram
     allocator_type = RemoteAllocator
     allocator: RemoteAllocator
@@ -481,9 +481,10 @@ class RemoteDevice(BaseDevice):
         keep: Any,
         result: Any = None,
         hold: bool = False,
+        window: Window | None = None,
     ) -> Op:
         # never held: an op waiting for another queue waits on the remote host, not in the driver
-        return super()._submit(engine, name, body, reads, writes, keep, result, False)
+        return super()._submit(engine, name, body, reads, writes, keep, result, False, window)
 
     def launch(
         self,
@@ -492,6 +493,7 @@ class RemoteDevice(BaseDevice):
         vals: Sequence[int | float] = (),
         outs: Sequence[int] | None = None,
         hold: bool = False,
+        window: Window | None = None,
     ) -> Op:
         """Run ``prog`` on the remote host (see :meth:`BaseDevice.launch`)."""
         reads, writes = self._launch_access(prog, bufs, outs)
@@ -500,9 +502,9 @@ class RemoteDevice(BaseDevice):
         written = tuple(i for i, buf in enumerate(bufs) if any(buf is w for w in writes))
         args = (prog.pid, tuple(b._handle for b in bufs), tuple(vals), written)
         body: list[Command] = [(EXEC, prog.name, _LAUNCH, args)]
-        return self._submit(self.compute, prog.name, body, reads, writes, bufs)
+        return self._submit(self.compute, prog.name, body, reads, writes, bufs, window=window)
 
-    def transfer(self, dst: Buffer, src: Buffer, hold: bool = False) -> Op:
+    def _transfer(self, dst: Buffer, src: Buffer, hold: bool, window: Window | None) -> Op:
         """Copy ``src`` to ``dst`` where either is on this device and the other on any device.
 
         Between two RAY devices the bytes go host to host through Ray's object
@@ -526,7 +528,7 @@ class RemoteDevice(BaseDevice):
             start, end = src.offset, src.offset + src.nbytes
             writers = tuple(o for s, e, w, o in src.log.entries if w and s < end and start < e and not o.done())
         body: list[Command] = [(EXEC, name, _TRANSFER, (dst_dev, dst_handle, src_dev, src_handle, writers))]
-        return self._submit(engine, name, body, (src,), (dst,), (src, dst))
+        return self._submit(engine, name, body, (src,), (dst,), (src, dst), window=window)
 
     def finalize_profile(self) -> DeviceEvent:
         """The offset of the remote host's clock against the driver's, from paired samples of the actor's clock."""
@@ -539,10 +541,12 @@ class RemoteDevice(BaseDevice):
         offset = estimate_offset(sample)
         return DeviceEvent(self.name, offset, offset)
 
-    def close(self) -> None:
-        """Wait for the work submitted so far, stop the engines, forget the device and end its actor (the
-        remote memory goes with it)."""
-        super().close()
+    def _finish_close(self, settled: bool) -> None:
+        """Once the work in flight is done: stop the engines, forget the device and end its actor (the remote
+        memory goes with it); see :meth:`BaseDevice.close`."""
+        super()._finish_close(settled)
+        if self.state != "closed":
+            return
         self._answers.put(None)
         self._completer.join()
         self.lost = self.lost or "it was closed"
