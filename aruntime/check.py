@@ -12,6 +12,7 @@ import anyio
 from aruntime.buffer import Buffer
 from aruntime.device import Device
 from aruntime.dtype import dtypes
+from aruntime.engine import native
 
 DOUBLE_SOURCES = {
     "CPU": "#include <stdint.h>\n"
@@ -33,6 +34,8 @@ class KindResult:
     opened: bool
     kernel: bool | None
     reason: str = ""
+    engine: str = ""
+    """Which engine runs the kind's queues (``native``, ``python`` or the backend's own), when it opened."""
 
     @property
     def kernel_mark(self) -> str:
@@ -54,8 +57,8 @@ async def _double(kind: str) -> list[int]:
         await dev.free(out)
 
 
-def _open_file_backed(kind: str) -> None:
-    """Open a file-backed kind on a temporary file and store a few bytes in it."""
+def _open_file_backed(kind: str) -> str:
+    """Open a file-backed kind on a temporary file and store a few bytes in it; the engine it runs on."""
     with tempfile.TemporaryDirectory(prefix="aruntime-check-") as tmp:
         dev = Device[f"{kind}:{os.path.join(tmp, 'check.bin')}"]
         try:
@@ -64,6 +67,7 @@ def _open_file_backed(kind: str) -> None:
             if bytes(buf.as_buffer()) != bytes(range(16)):
                 raise RuntimeError("the bytes stored did not read back")
             buf.deallocate()
+            return dev.engine_kind
         finally:
             dev.close()
 
@@ -74,21 +78,22 @@ def check_kind(kind: str, default: str | None) -> KindResult:
     try:
         cls = Device.backend(kind)
         if cls.file_backed:
-            _open_file_backed(kind)
-            return KindResult(kind, is_default, True, None, "file-backed: stores data, runs no kernels")
+            engine = _open_file_backed(kind)
+            return KindResult(kind, is_default, True, None, "file-backed: stores data, runs no kernels", engine)
         dev = Device[kind]
     except Exception as exc:
         return KindResult(kind, is_default, False, False, f"open failed: {exc}")
     if kind not in DOUBLE_SOURCES:
         what = (type(dev).__doc__ or "").strip().splitlines()[0:1]
-        return KindResult(kind, is_default, True, None, " ".join(["no check kernel for this kind.", *what]))
+        reason = " ".join(["no check kernel for this kind.", *what])
+        return KindResult(kind, is_default, True, None, reason, dev.engine_kind)
     try:
         got = anyio.run(_double, kind)
     except Exception as exc:
-        return KindResult(kind, is_default, True, False, f"{type(exc).__name__}: {exc}")
+        return KindResult(kind, is_default, True, False, f"{type(exc).__name__}: {exc}", dev.engine_kind)
     if got != [2, 4, 6]:
-        return KindResult(kind, is_default, True, False, f"[1, 2, 3] * 2 gave {got}")
-    return KindResult(kind, is_default, True, True)
+        return KindResult(kind, is_default, True, False, f"[1, 2, 3] * 2 gave {got}", dev.engine_kind)
+    return KindResult(kind, is_default, True, True, engine=dev.engine_kind)
 
 
 def run_check() -> int:
@@ -99,10 +104,13 @@ def run_check() -> int:
         print(f"no default device: {exc}")
         default = None
     results = [check_kind(kind, default) for kind in sorted(Device.kinds())]
+    why = "" if native.unavailable is None else f" ({native.unavailable})"
+    print(f"engine: {native.engine_name()}{why}")
     for r in results:
         mark = " (default)" if r.is_default else ""
+        engine = f", {r.engine} engine" if r.engine else ""
         print(
-            f"{r.kind}{mark}: open {'PASS' if r.opened else 'FAIL'}, kernel {r.kernel_mark}"
+            f"{r.kind}{mark}: open {'PASS' if r.opened else 'FAIL'}, kernel {r.kernel_mark}{engine}"
             + (f" - {r.reason}" if r.reason else "")
         )
     ok = default is not None and any(r.is_default and r.kernel for r in results)

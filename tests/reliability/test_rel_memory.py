@@ -7,11 +7,10 @@ import gc
 
 import anyio
 import pytest
-from aruntime.signal import TimelineSignal
 
 from aruntime import Device
 from aruntime.allocator import DEFAULT_CACHE_LIMIT, MMAP_MIN, HostAllocator
-from aruntime.engine import CommandQueue, Op
+from aruntime.engine import CommandQueue, Op, TimelineSignal
 from tests.reliability.measure import rss
 
 
