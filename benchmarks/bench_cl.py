@@ -175,11 +175,11 @@ async def cl_pipeline() -> list[Result]:
             for b in range(batches + lag):
                 if b < batches:
                     d, s = where(b)
-                    await sched.copyin(xs[d][s], srcs[d])
-                    await sched.launch(progs[d], ys[d][s], xs[d][s], vals=(n, work))
+                    sched.copyin(xs[d][s], srcs[d])
+                    sched.launch(progs[d], ys[d][s], xs[d][s], vals=(n, work))
                 if b >= lag:
                     d, s = where(b - lag)
-                    await sched.copyout(ys[d][s], dsts[d][s])
+                    sched.copyout(ys[d][s], dsts[d][s])
 
     for run in (one_by_one, pipelined):  # warm-up that checks the results
         for slots in dsts:

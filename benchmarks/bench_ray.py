@@ -19,6 +19,7 @@ import pickle
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import aruntime
 from aruntime import Device, dtypes
 from aruntime.backends.ray.driver import settled
 from aruntime.device import BaseDevice, Program
@@ -141,11 +142,11 @@ async def _pipeline(
         async with Scheduler(window=64) as sched:
             for i in range(items):
                 s = i % slots
-                await sched.copyin(xs[s], src)
-                await sched.launch(p1, ys[s], xs[s], vals=(n, work))
-                await sched.transfer(zs[s], ys[s])
-                await sched.launch(p2, ws[s], zs[s], vals=(n, work))
-                await sched.copyout(ws[s], outs[s])
+                sched.copyin(xs[s], src)
+                sched.launch(p1, ys[s], xs[s], vals=(n, work))
+                sched.transfer(zs[s], ys[s])
+                sched.launch(p2, ws[s], zs[s], vals=(n, work))
+                sched.copyout(ws[s], outs[s])
 
     return run
 
@@ -212,7 +213,7 @@ async def ray_transfer() -> list[Result]:
     a, b = _bare(nbytes, 0), _bare(nbytes, 1)
 
     async def ours() -> None:
-        await r1.transfer(dst, src)
+        await aruntime.transfer(dst, src)
 
     async def base() -> None:
         await _await_ref(b.get.remote(a.put.remote()))

@@ -14,6 +14,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+import aruntime
 from aruntime import CompileError, Device, DeviceError, OpError, dtypes
 from aruntime.check import check_kind
 from aruntime.engine import CommandQueue, Op, TimelineSignal
@@ -100,7 +101,7 @@ async def test_a_missing_kernel_name_and_an_unaligned_view_are_clear_errors() ->
 
 
 def test_a_second_process_loads_the_binary_from_the_cache(tmp_path: Path) -> None:
-    env = {**os.environ, "CACHEDB": str(tmp_path / "cache.db")}
+    env = {**os.environ, "ARUNTIME_CACHEDB": str(tmp_path / "cache.db")}
     program = textwrap.dedent(
         f"""
         import anyio
@@ -116,13 +117,13 @@ def test_a_second_process_loads_the_binary_from_the_cache(tmp_path: Path) -> Non
     with pytest.raises(subprocess.CalledProcessError):  # proves ASSERT_COMPILE=1 refuses a real miss
         subprocess.run(
             [sys.executable, "-c", program.replace("iota(", "iota2(").replace('"iota"', '"iota2"')],
-            env={**env, "ASSERT_COMPILE": "1"},
+            env={**env, "ARUNTIME_ASSERT_COMPILE": "1"},
             capture_output=True,
             check=True,
             timeout=120,
         )
     second = subprocess.run(
-        [sys.executable, "-c", program], env={**env, "ASSERT_COMPILE": "1"}, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", program], env={**env, "ARUNTIME_ASSERT_COMPILE": "1"}, capture_output=True, text=True, timeout=120
     )
     assert second.returncode == 0 and second.stdout.strip() == "iota", second.stderr
 
@@ -149,7 +150,7 @@ async def test_a_cross_queue_hazard_is_an_event_wait_list_not_a_host_wait(monkey
         DEV.copy.submit(CommandQueue().wait(gate, 1), Op("gate"))  # holds CL's copy queue until opened
         user_events.clear()  # (that wait is one)
         DEV.copyin(src, data)
-        move = DEV.transfer(dst, src)  # CL -> CL:1 on CL's copy queue, in order after the copy-in
+        move = aruntime.transfer(dst, src)  # CL -> CL:1 on CL's copy queue, in order after the copy-in
         launch = DEV.launch(iota, src.view(4, dtypes.int32, 0))  # CL's compute queue after the transfer read src
         read = other.copyout(dst)  # CL:1's copy queue after CL's
         assert user_events == [], "a hazard between CL queues went through the host"
@@ -160,7 +161,7 @@ async def test_a_cross_queue_hazard_is_an_event_wait_list_not_a_host_wait(monkey
         gate = TimelineSignal("gate", 10.0)
         cpu.copy.submit(CommandQueue().wait(gate, 1), Op("gate"))  # holds CPU's copy queue until opened
         cpu.copyin(host, data)
-        back = cpu.transfer(src, host)  # CPU -> CL runs on CL's copy queue, after CPU's copy queue: a host wait
+        back = aruntime.transfer(src, host)  # CPU -> CL runs on CL's copy queue, after CPU's copy queue: a host wait
         assert len(user_events) == 1
         gate.set(1)
         with anyio.fail_after(10):

@@ -12,6 +12,8 @@ from typing import Any
 import anyio
 import pytest
 
+import aruntime
+
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'aruntime[ray]')")
 
 from aruntime import (  # noqa: E402
@@ -148,11 +150,11 @@ async def test_a_pipeline_over_two_hosts_keeps_its_hazards() -> None:
     async with Scheduler(window=16) as sched:
         for i in range(items):
             x, y, z = xs[i % ring], ys[i % ring], zs[i % ring]
-            await sched.copyin(x, array.array("f", [float(i)] * n))
-            await sched.launch(scale, y, x, vals=(n, 2.0))
-            await sched.transfer(z, y)
-            await sched.launch(add, z, vals=(4 * n,))
-            outs.append(await sched.copyout(z))
+            sched.copyin(x, array.array("f", [float(i)] * n))
+            sched.launch(scale, y, x, vals=(n, 2.0))
+            sched.transfer(z, y)
+            sched.launch(add, z, vals=(4 * n,))
+            outs.append(sched.copyout(z))
     for i, op in enumerate(outs):
         expected = bytes(b + 1 for b in array.array("f", [2.0 * i] * n).tobytes())
         assert bytes(await op) == expected, i
@@ -172,7 +174,7 @@ async def test_ops_across_hosts_are_all_sent_before_their_producers_finish() -> 
     y, z = await r1.allocate(n), await r2.allocate(n)
     r1.copyin(y, bytes(range(256)) * (n // 256))
     kernel = r1.launch(sleep, y, vals=(n, 300))
-    moved = r1.transfer(z, y)
+    moved = aruntime.transfer(z, y)
     out = r2.copyout(z)
     assert not kernel.done()
     for dev in (r1, r2):
@@ -190,9 +192,9 @@ async def test_transfers_between_remote_and_local_devices_both_ways() -> None:
     a, b = await r1.allocate(256 << 10), await local.allocate(256 << 10)
     data = bytes(range(256)) * 1024
     r1.copyin(a, data)
-    r1.transfer(b, a)  # remote -> local, then a local kernel ordered after it
+    aruntime.transfer(b, a)  # remote -> local, then a local kernel ordered after it
     local.launch(add, b, vals=(256 << 10,))
-    local.transfer(a, b)  # local -> remote, ordered after the kernel
+    aruntime.transfer(a, b)  # local -> remote, ordered after the kernel
     assert bytes(await r1.copyout(a)) == bytes((x + 1) & 255 for x in data)
     await r1.free(a)
     await local.free(b)
@@ -202,7 +204,7 @@ async def test_a_transfer_from_a_failed_local_write_fails_and_the_remote_device_
     r1, local = Device["RAY:any/CPU:1"], Device["CPU"]
     a, b = await local.allocate(8), await r1.allocate(8)
     local.launch(Failing(local, "producer", b""), a)
-    moved = local.transfer(b, a)
+    moved = aruntime.transfer(b, a)
     with pytest.raises(DependencyError, match="depends on producer, which failed"):
         await moved
     r1.copyin(b, b"12345678")  # the call order on the remote device has no gap where the transfer was
@@ -219,7 +221,7 @@ async def test_a_killed_actor_fails_its_ops_refuses_new_ones_and_others_keep_wor
     src, dst = await dead.allocate(8), await r1.allocate(8)
     await dead.copyin(src, bytes(8))
     running = dead.launch(prog, src, vals=(8, LONG_MS))
-    moved = dead.transfer(dst, src)  # its export waits behind the kernel on the host that dies
+    moved = aruntime.transfer(dst, src)  # its export waits behind the kernel on the host that dies
     dependent = r1.copyout(dst)  # reads what the failed transfer should have written
     ray.kill(dead.actor, no_restart=True)
     with anyio.fail_after(30):
@@ -258,7 +260,7 @@ async def test_profile_ranges_come_back_on_the_drivers_clock() -> None:
     a, b = await r1.allocate(1024), await r2.allocate(1024)
     async with profile() as prof:
         r1.copyin(a, bytes(1024))
-        r1.transfer(b, a)
+        aruntime.transfer(b, a)
         await r2.launch(add, b, vals=(1024,))
     ranges = [e for e in prof.events if isinstance(e, RangeEvent)]
     names = {(e.device, e.name) for e in ranges}
@@ -309,14 +311,14 @@ async def test_a_long_pipeline_over_two_hosts_and_back_through_a_local_device() 
         async with Scheduler(window=64) as sched:
             for i in range(150):
                 a, b, c = ring[i % 3]
-                await sched.copyin(a, bytes([i % 200]) * n)
-                await sched.launch(add1, a, vals=(n,))
-                await sched.transfer(b, a)
-                await sched.launch(add2, b, vals=(n,))
-                await sched.transfer(c, b)
-                await sched.launch(add3, c, vals=(n,))
-                await sched.transfer(a, c)
-                outs.append(await sched.copyout(a))
+                sched.copyin(a, bytes([i % 200]) * n)
+                sched.launch(add1, a, vals=(n,))
+                sched.transfer(b, a)
+                sched.launch(add2, b, vals=(n,))
+                sched.transfer(c, b)
+                sched.launch(add3, c, vals=(n,))
+                sched.transfer(a, c)
+                outs.append(sched.copyout(a))
         for i, op in enumerate(outs):
             assert bytes(await op) == bytes([i % 200 + 3]) * n, (n, i)
         for a, b, c in ring:

@@ -45,9 +45,9 @@ class Entry:
             raise KernelError(f"kernel {self.name} returned status {status}", status)
 
 
-NATIVE_COPIES: dict[int, Callable[..., object]] = {id(ctypes.memmove): ctypes.memmove}
+_NATIVE_COPIES: dict[int, Callable[..., object]] = {id(ctypes.memmove): ctypes.memmove}
 """Copy functions (by ``id``) a native engine runs as its own ``memmove`` (on host addresses)."""
-NOTHING: dict[int, Callable[..., object]] = {}
+_NOTHING: dict[int, Callable[..., object]] = {}
 """Copy functions and programs (by ``id``) that do nothing: a native engine records their range and runs nothing."""
 
 
@@ -57,4 +57,4 @@ def register_native(fn: Callable[..., object], kind: str) -> None:
     Python thread."""
     if kind not in ("memmove", "nothing"):
         raise ValueError(f"register_native: kind must be 'memmove' or 'nothing', got {kind!r}")
-    (NATIVE_COPIES if kind == "memmove" else NOTHING)[id(fn)] = fn
+    (_NATIVE_COPIES if kind == "memmove" else _NOTHING)[id(fn)] = fn

@@ -12,6 +12,7 @@ import struct
 import anyio
 import pytest
 
+import aruntime
 from aruntime import (
     AllocationError,
     BufferUsageError,
@@ -207,7 +208,7 @@ async def test_transfers_to_and_from_every_kind(kind: Kind, other_kind: Kind) ->
     a, b = await dev.allocate(5000), await dst_dev.allocate(5000)
     await dev.copyin(a, data)
     try:
-        forward = dev.transfer(b, a)
+        forward = aruntime.transfer(b, a)
     except DeviceError as exc:
         await dev.free(a)
         await dst_dev.free(b)
@@ -215,7 +216,7 @@ async def test_transfers_to_and_from_every_kind(kind: Kind, other_kind: Kind) ->
     await forward
     assert bytes(await dst_dev.copyout(b)) == data
     back = await dev.allocate(4000)
-    await dst_dev.transfer(back, b.view(4000, dtypes.uint8, 1000))  # and back, from a view at an offset
+    await aruntime.transfer(back, b.view(4000, dtypes.uint8, 1000))  # and back, from a view at an offset
     assert bytes(await dev.copyout(back)) == data[1000:]
     for buf in (a, back):
         await dev.free(buf)
@@ -250,7 +251,7 @@ async def test_a_failure_propagates_to_what_depends_on_it(kind: Kind) -> None:
     buf, other = await dev.allocate(16), await dev.allocate(16)
     dev.launch(Failing(dev, "producer", b""), buf)
     reader = dev.copyout(buf)
-    chained = dev.transfer(other, buf)
+    chained = aruntime.transfer(other, buf)
     with pytest.raises(DependencyError, match="depends on producer, which failed"):
         await reader
     with pytest.raises(DependencyError, match="producer"):

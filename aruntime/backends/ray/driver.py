@@ -260,7 +260,9 @@ class RemoteDevice(BaseDevice):
     allocator: RemoteAllocator
     copy_fn = staticmethod(_no_copy)
 
-    def __init__(self, name: str) -> None:
+    @classmethod
+    def check_name(cls, name: str) -> None:
+        """A RAY device is named ``RAY:<host>/<device>``."""
         _, _, rest = name.partition(":")
         host, sep, inner = rest.partition("/")
         if not (sep and host and inner):
@@ -268,6 +270,10 @@ class RemoteDevice(BaseDevice):
                 f"{name}: a RAY device is named RAY:<host>/<device>, e.g. RAY:any/CPU:1 "
                 "(host: any, a node's IP address or a node id)"
             )
+
+    def __init__(self, name: str) -> None:
+        self.check_name(name)
+        host, _, inner = name.partition(":")[2].partition("/")
         if ray is None:
             raise DeviceError(f"{name}: RAY devices need Ray: pip install 'aruntime[ray]'")
         inner = canonicalize(inner)

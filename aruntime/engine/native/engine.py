@@ -25,7 +25,7 @@ from collections import deque
 from typing import Any
 
 from aruntime.engine import native
-from aruntime.engine.kernel import NATIVE_COPIES, NOTHING, Entry, KernelError
+from aruntime.engine.kernel import _NATIVE_COPIES, _NOTHING, Entry, KernelError
 from aruntime.engine.native.signal import NativeSignal
 from aruntime.engine.ops import COPY, EXEC, SIGNAL, TIMESTAMP, WAIT, Command, Engine, Op, check_deps, run_copy
 from aruntime.errors import OpError, SignalTimeout
@@ -171,10 +171,10 @@ class NativeEngine(Engine):
             flags |= record
             if kind == EXEC and type(fn) is Entry:
                 add(pack(K_EXEC, flags, fn.address, cmd[3][1], 0, 0, value, op_id, name, i))
-            elif kind == COPY and id(fn) in NATIVE_COPIES:
+            elif kind == COPY and id(fn) in _NATIVE_COPIES:
                 # one memmove: chunks only let the Python engine hand back the GIL
                 add(pack(K_COPY, flags, cmd[3], cmd[4], cmd[5], 0, value, op_id, name, i))
-            elif kind in (EXEC, COPY) and id(fn) in NOTHING:
+            elif kind in (EXEC, COPY) and id(fn) in _NOTHING:
                 add(pack(K_NOP, flags, 0, 0, 0, 0, value, op_id, name, i))
             elif kind in (EXEC, COPY):
                 self._python_runs(op)
