@@ -108,10 +108,10 @@ def run_check() -> int:
     print(f"engine: {native.engine_name()}{why}")
     for r in results:
         mark = " (default)" if r.is_default else ""
-        engine = f", {r.engine} engine" if r.engine else ""
         print(
-            f"{r.kind}{mark}: open {'PASS' if r.opened else 'FAIL'}, kernel {r.kernel_mark}{engine}"
+            f"{r.kind}{mark}: open {'PASS' if r.opened else 'FAIL'}, kernel {r.kernel_mark}"
             + (f" - {r.reason}" if r.reason else "")
+            + (f" [{r.engine} engine]" if r.engine else "")
         )
     ok = default is not None and any(r.is_default and r.kernel for r in results)
     return 0 if ok else 1

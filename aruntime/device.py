@@ -17,7 +17,7 @@ import anyio
 
 from aruntime.allocator import Allocator, BufferSpec
 from aruntime.buffer import Buffer, BufferScope, typed
-from aruntime.compiler import Compiler
+from aruntime.compiler import Compiler, check_source
 from aruntime.dtype import DType, dtypes
 from aruntime.engine import COPY, EXEC, Command, CommandQueue, CopyFn, Engine, Op, first_failure, make_engine
 from aruntime.errors import BufferUsageError, DeviceError
@@ -26,7 +26,7 @@ from aruntime.helpers import after_all, canonicalize, getenv, is_index, pin
 
 PRIORITY = ("CUDA", "CPU", "CL")
 """Kinds tried in order for the default device (file-backed kinds and NULL are never the default; CPU goes
-before CL, whose only driver here, PoCL, runs on the same CPU: set CL=1 to make CL the default)."""
+before CL, whose only driver here, PoCL, runs on the same CPU: set ARUNTIME_CL=1 to make CL the default)."""
 
 Bound = tuple[Callable[..., object], tuple[Any, ...]]
 """What :meth:`Program.bind` returns: the callable an engine runs for one launch, and its arguments."""
@@ -336,11 +336,18 @@ class BaseDevice:
         if self.compiler is None:
             raise DeviceError(f"{self.name} has no compiler")
         compiler = self.compiler
+        check_source(src)
+        src = self._kernel_source(src, name)
 
         def build() -> Program:
             return compiler.compile_cached(src, load=lambda lib: self.program_type(self, name, lib, outs))
 
         return await anyio.to_thread.run_sync(build)
+
+    def _kernel_source(self, src: str, name: str) -> str:
+        """What is compiled for kernel ``name`` of ``src`` (checked to be non-empty text): ``src`` itself; a
+        backend may check the kernel's definition here and add to it (the CPU backend adds its entry)."""
+        return src
 
     def _launch_access(
         self, prog: Program, bufs: Sequence[Buffer], outs: Sequence[int] | None

@@ -60,3 +60,16 @@ ACCUMULATE = r"""
 #include <stdint.h>
 void kernel(uint8_t *o, const uint8_t *x, int64_t n) { for (int64_t i = 0; i < n; i++) o[i] = (uint8_t)(o[i] + x[i]); }
 """
+
+SPIN_MS = r"""
+#include <stdint.h>
+#include <time.h>
+void kernel(uint8_t *out, int64_t ms) {
+  struct timespec t0, t;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  do clock_gettime(CLOCK_MONOTONIC, &t);
+  while ((t.tv_sec - t0.tv_sec) * 1000 + (t.tv_nsec - t0.tv_nsec) / 1000000 < ms);
+  out[0] = 1;
+}
+"""
+"""A kernel that busy-waits ``ms`` milliseconds (``vals=(ms,)``), then sets ``out[0] = 1``."""

@@ -123,7 +123,11 @@ def test_a_second_process_loads_the_binary_from_the_cache(tmp_path: Path) -> Non
             timeout=120,
         )
     second = subprocess.run(
-        [sys.executable, "-c", program], env={**env, "ARUNTIME_ASSERT_COMPILE": "1"}, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", program],
+        env={**env, "ARUNTIME_ASSERT_COMPILE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert second.returncode == 0 and second.stdout.strip() == "iota", second.stderr
 

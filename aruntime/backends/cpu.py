@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
 import re
 import struct
 import threading
@@ -33,7 +32,7 @@ from aruntime.compiler import Compiler
 from aruntime.device import BaseDevice, Bound, Program
 from aruntime.engine import Entry
 from aruntime.errors import BufferUsageError, CompileError
-from aruntime.helpers import pin
+from aruntime.helpers import getenv, pin
 
 FLAGS = ("-O3", "-march=native")
 """The default optimisation flags of CPU kernels."""
@@ -211,10 +210,7 @@ class CPUProgram(Program):
 
     def __init__(self, device: BaseDevice, name: str, lib: bytes, outs: Sequence[int] | None = None) -> None:
         super().__init__(device, name, lib, outs)
-        try:
-            self._lib = cc.load(lib)
-        except OSError as exc:
-            raise CompileError(f"kernel {name!r}: the compiled library does not load: {exc}") from None
+        self._lib = cc.load(lib)  # an OSError: a damaged binary, which the compile cache drops and rebuilds
         try:
             entry = self._lib[_ENTRY + name]
             described = ctypes.c_char_p.in_dll(self._lib, _SIGNATURE + name)
@@ -282,8 +278,8 @@ class CPUDevice(BaseDevice):
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
-        flags = os.environ.get("ARUNTIME_CPU_FLAGS")
-        if flags is not None:
+        flags = getenv("CPU_FLAGS", "")
+        if flags:
             self.flags = tuple(flags.split())
 
     @property
@@ -298,13 +294,17 @@ class CPUDevice(BaseDevice):
             raise TypeError(f"{self.name}: flags must be a sequence of str, got {flags!r}")
         self.compiler = CCompiler(tuple(flags))
 
-    async def compile(self, src: str, name: str = "kernel", outs: Sequence[int] | None = None) -> Program:
-        """Compile the C function ``name`` of ``src`` (see the module docstring for what a kernel may be)."""
-        if not isinstance(src, str) or not isinstance(name, str):
-            raise TypeError("compile: src and name must be str")
-        if not name.isidentifier():
-            raise CompileError(f"compile: {name!r} is not a C identifier")
-        return await super().compile(src + _entry_source(name, parse_signature(src, name)), name, outs)
+    def _kernel_source(self, src: str, name: str) -> str:
+        """``src`` with the entry of kernel ``name`` added (see the module docstring for what a kernel may be).
+
+        Where the definition cannot be read, the source is compiled with an ``#error`` saying why, so the
+        compiler's own messages about the source (a syntax error) come with it in the :class:`CompileError`.
+        """
+        try:
+            return src + _entry_source(name, parse_signature(src, name))
+        except CompileError as exc:
+            reason = " ".join(str(exc).split()).replace('"', "'")
+            return f'{src}\n#line 1 "aruntime"\n#error "{reason}"\n'
 
 
 device_class = CPUDevice

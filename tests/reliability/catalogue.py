@@ -424,7 +424,7 @@ ROWS: list[Row] = [
         "dev.compile",
         "a name the source does not define",
         CompileError,
-        "has no function 'other'",
+        "defines no function named 'other'",
         lambda c: c.cpu.compile(SCALE, "other"),
     ),
     Row(
@@ -551,7 +551,7 @@ ROWS: list[Row] = [
         "graph.transfer",
         "CPU -> NULL (not host memory)",
         B,
-        "graph transfer CPU->NULL: a transfer runs between host-mapped devices",
+        "transfer CPU->NULL: no copy engine reaches both memories",
         lambda c: Graph().transfer(c.nullbuf, c.buf),
     ),
     Row(

@@ -46,9 +46,11 @@ async def run_const(value: int) -> int:
 
 def stored(value: int) -> tuple[str, str]:
     """The (table, key) the CPU compiler stores CONST(value) under."""
-    compiler = Device["CPU"].compiler
+    dev = Device["CPU"]
+    compiler = dev.compiler
     assert compiler is not None and compiler.cachekey is not None
-    return compiler.cachekey, hashlib.sha256(CONST.format(value=value).encode()).hexdigest()
+    compiled = dev._kernel_source(CONST.format(value=value), "kernel")  # what the CPU device compiles: with its entry
+    return compiler.cachekey, hashlib.sha256(compiled.encode()).hexdigest()
 
 
 def rewrite(db: Path, table: str, key: str, change: bytes | None = None, flip_at: int | None = None) -> None:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import os
 import threading
 from ctypes import c_int, c_int64, c_size_t, c_uint32, c_uint64, c_void_p
 from importlib import resources
 
 from aruntime.errors import DeviceError
+from aruntime.helpers import getenv
 
 FLAGS = ("-O2", "-pthread", "-fPIC", "-shared")
 VERSION = 1
@@ -32,7 +32,7 @@ _lock = threading.Lock()
 
 def mode() -> str:
     """``ARUNTIME_ENGINE`` as given: ``native``, ``python`` or ``""`` (choose)."""
-    value = os.environ.get("ARUNTIME_ENGINE", "").strip().lower()
+    value = getenv("ENGINE", "").strip().lower()
     if value not in ("", "native", "python"):
         raise DeviceError(f"environment variable ARUNTIME_ENGINE={value!r}: expected 'native' or 'python'")
     return value

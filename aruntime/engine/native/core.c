@@ -199,9 +199,10 @@ int ar_sig_set(ar_sig *s, uint64_t v) {
 int ar_sig_arm(ar_sig *s, int n, uint64_t v) {
   if (n < 0 || n >= MAXN) return -1;
   pthread_mutex_lock(&s->lock);
-  if (v < s->arm[n]) {
+  uint64_t cur = s->arm[n];
+  if (v < cur || cur <= atomic_load(&s->value)) { /* an arm already reached is stale: a set() fires it now */
     s->arm[n] = v;
-    if (v < atomic_load(&s->armed)) atomic_store(&s->armed, v);
+    recompute_armed(s);
   }
   pthread_mutex_unlock(&s->lock);
   if (atomic_load(&s->value) >= v) { /* set() may have run before the arm was visible: check again */

@@ -84,7 +84,7 @@ class Notified:
                 if callable(item):
                     self.callbacks += 1
                 armed = self._armed.get(sig)
-                if armed is None or value < armed:
+                if armed is None or value < armed or armed <= sig.value:  # none, too late, or fired already
                     self._armed[sig] = value
                     if self._lib.ar_sig_arm(sig.ptr, self.slot, value):
                         self._lib.ar_notify(self.slot)  # reached meanwhile: the consumer finds it when it drains
@@ -143,6 +143,10 @@ class Notified:
             if heap is not None and not heap:
                 del self._waits[sig]
                 self._armed.pop(sig, None)
+            elif heap and self._armed.get(sig, reached + 1) <= reached:
+                self._armed[sig] = heap[0][0]  # what was armed fired (natively): arm the next value
+                if self._lib.ar_sig_arm(sig.ptr, self.slot, heap[0][0]):
+                    self._lib.ar_notify(self.slot)
         if ready and sig.retire is not None:
             sig.retire()
         for item in ready:
