@@ -15,9 +15,13 @@ tinygrad 0.13's device layer, as used:
 * ``dev.compiler.compile(src)``: ``ClangJITCompiler`` (clang to an ELF object,
   linked by tinygrad's ``jit_loader``); ``dev.runtime("kernel", lib)`` -> ``CPUProgram``.
 * ``prog(*bufs)`` enqueues the kernel on the device's worker thread and returns;
-  ``prog(*bufs, wait=True)`` also waits (``dev.synchronize()``). That queue is the
-  only overlap the layer offers: a kernel runs while the caller copies for the
-  other device.
+  ``prog(*bufs, wait=True)`` also waits (``dev.synchronize()``).
+
+The pipeline runs two ways: one call after another on ``CPU`` (nothing
+overlaps: each copy synchronizes the device first), and one user thread per
+device, each doing its batches one call after another (the copies run on the
+user threads, GIL released in ``memmove``, the kernels on the devices' worker
+threads).
 """
 
 from __future__ import annotations
