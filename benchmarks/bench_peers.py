@@ -1,34 +1,43 @@
-"""Side by side with tinygrad: the pipeline, serving and launch-latency figures against tinygrad's device layer.
+"""Side by side with tinygrad: the pipeline, kernel, serving and launch-latency figures against tinygrad's device layer.
 
 The same C kernel sources and sizes run, in the same run, on:
 
-* aruntime: CPU and CPU:1 driven through a :class:`Scheduler` (pipeline,
-  serving) or one awaited ``dev.launch`` at a time (latency);
+* aruntime: ``CPU`` alone, and ``CPU`` with ``CPU:1``, each driven through one
+  :class:`Scheduler` with default settings (pipeline, serving), or one awaited
+  ``dev.launch`` at a time (latency);
 * tinygrad's own device layer (``Device``, its allocator, ``ClangJITCompiler``
   and ``CPUProgram``; the pinned release from PyPI, installed into a separate
   virtual environment and driven by ``benchmarks/peers/tinygrad_worker.py`` in a
-  subprocess, see that file for exactly which calls);
-* a plain thread pool: the same ``memmove`` / kernel / ``memmove`` per batch
-  through ``anyio.to_thread.run_sync``, two lanes (one per device);
+  subprocess, see that file for exactly which calls): one call after another on
+  one device, and two user threads, one per device;
+* a runtime-free pool: two plain Python threads, each doing ``memmove`` /
+  kernel / ``memmove`` per batch through ctypes on its own buffers, the kernel
+  built the way aruntime builds it (the limit of this machine);
 * a bare thread wake: a worker thread waking one future on the loop
   (:class:`benchmarks.bench_engine.BareWorker`), the least that any awaited
   off-loop launch costs.
 
-Kernels take no scalar arguments: sizes and pass counts are compiled into the
-source, because tinygrad's CPU program passes scalars as 32-bit ints and has no
-floats, whereas aruntime passes ``int64_t`` / ``double``. Each side compiles the
-identical text with its own compiler (aruntime: ``cc -O2``; tinygrad: ``clang -O2
--march=native -ffreestanding``), so the rows also give each side's kernel time
-alone (``*_kernel_us``): a faster kernel from the other compiler shows there.
+The pipeline kernel is ``out[i] = (in[i] - 0.484375f) * 4.375f`` over float32.
+Kernels take no scalar arguments: sizes are compiled into the source, because
+tinygrad's CPU program passes scalars as 32-bit ints and has no floats. Each
+side compiles the identical text the way its runtime does (aruntime's CPU
+device: ``cc -O3 -march=native``; tinygrad: ``clang -O2 -march=native
+-ffreestanding``), and the kernel row compares the two builds called directly,
+µs per launch.
 
-The run is ``rounds`` rounds; each measures aruntime and the thread pool
-(alternating, ``repeats`` times each), then runs tinygrad's worker (``repeats``
-times), so both sides are sampled across the same stretch of time. Throughputs
-are from the fastest repeat of each side (interference only ever slows a run
-down); latencies are medians over every call.
+The run is ``rounds`` rounds; each measures aruntime on one device, on two, and
+the thread pool (alternating, ``repeats`` times each), then runs tinygrad's
+worker (``repeats`` times each), so both sides are sampled across the same
+stretch of time. Threads are left unpinned, as users run them. Throughputs are
+from the fastest repeat of each side (interference only ever slows a run down);
+latencies are medians over every call.
 
-Goals (from the issue): pipeline throughput >= 1.5x tinygrad's; awaited launch
-latency <= tinygrad's synchronous launch + 1.5 x the bare wake.
+Goals (issue 11), per 4 MiB batch: one device >= 1.1x tinygrad one call after
+another; two devices >= 1.0x tinygrad with two user threads, and >= 0.95x the
+two-thread pool; per 256 KiB batch (per-op cost decides): >= 1.2x tinygrad, on
+one and on two devices; aruntime's build of the kernel no slower than
+tinygrad's. Awaited launch latency <= tinygrad's synchronous launch + 1.5 x the
+bare wake.
 
 When the tinygrad environment cannot be built (no network for pip, no clang) the
 tinygrad rows are still emitted, with ``skipped`` saying why, and no figures.
@@ -41,9 +50,11 @@ from __future__ import annotations
 import array
 import ctypes
 import json
+import mmap
 import os
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -59,30 +70,15 @@ from benchmarks.peers import setup_tinygrad
 
 # ---- the kernels ----------------------------------------------------------------------------------------------------
 
-PASSES = 0
-"""Multiply-add passes of the pipeline kernel. The pipeline benchmark calibrates them so the kernel takes as long as
-one copy-in; on the machine measured its calibration mostly lands on 0 (the kernel's memory traffic alone already
-takes longer than the copy), so the side-by-side fixes 0 rather than let noise change the work between runs."""
-
-_PIPELINE_BODY = r"""
-  float t[BLOCK];
-  for (int64_t b = 0; b < n; b += BLOCK) {
-    int64_t m = n - b < BLOCK ? n - b : BLOCK;
-    for (int64_t i = 0; i < m; i++) t[i] = x[b + i];
-    for (int64_t p = 0; p < passes; p++)
-      for (int64_t i = 0; i < m; i++) t[i] = t[i] * 0.5f + 1.0f;
-    for (int64_t i = 0; i < m; i++) y[b + i] = t[i];
-  }
-"""
+SUB, MUL = 0.484375, 4.375
+"""The pipeline kernel's constants (both exact in float32)."""
 
 
-def pipeline_kernel(n: int, passes: int = PASSES) -> str:
-    """The pipeline benchmark's kernel (``bench_scheduler.PASSES``) with ``n`` and ``passes`` compiled in."""
+def pipeline_kernel(n: int) -> str:
+    """The pipeline kernel, ``out[i] = (in[i] - 0.484375f) * 4.375f``, over ``n`` floats."""
     return (
-        "#include <stdint.h>\n#define BLOCK 1024\n"
-        f"void kernel(float *y, const float *x) {{\n  const int64_t n = {n}, passes = {passes};"
-        + _PIPELINE_BODY
-        + "}\n"
+        "#include <stdint.h>\nvoid kernel(float *out, const float *in) {\n"
+        f"  for (int64_t i = 0; i < {n}; i++) out[i] = (in[i] - {SUB}f) * {MUL}f;\n}}\n"
     )
 
 
@@ -98,11 +94,11 @@ TINY_KERNEL = "void kernel(unsigned char *b) { b[0] += 1; }\n"
 """The launch-latency kernel: one buffer, one byte touched."""
 
 
-def pipeline_expected(value: float, passes: int = PASSES) -> float:
+def pipeline_expected(value: float) -> float:
     """What the pipeline kernel makes of an element ``value`` (float32 steps, as the C code does them)."""
     out = array.array("f", [value])
-    for _ in range(passes):
-        out[0] = out[0] * 0.5 + 1.0
+    out[0] = out[0] - SUB
+    out[0] = out[0] * MUL
     return out[0]
 
 
@@ -143,9 +139,9 @@ class Plan:
     def make(cls, quick: bool) -> Plan:
         if quick:
             return cls((Case("1MiB", 1 << 18, 4),), 1, 1, 64, 256, 100, 20)
-        # 8 MiB x 32: the pipeline benchmark's own size; 256 KiB x 256: the same bytes in small batches, where the
-        # cost per op rather than the copies decides. 1000 requests of 256 floats: the serving benchmark's.
-        return cls((Case("8MiB", 2 << 20, 32), Case("256KiB", 1 << 16, 256)), 3, 5, 1000, 256, 1000, 100)
+        # 4 MiB x 64 (issue 11's size) and 256 KiB x 1024: the same 256 MiB in small batches, where the cost per op
+        # rather than the copies decides. 1000 requests of 256 floats: the serving benchmark's.
+        return cls((Case("4MiB", 1 << 20, 64), Case("256KiB", 1 << 16, 1024)), 3, 5, 1000, 256, 1000, 100)
 
 
 @dataclass
@@ -183,7 +179,7 @@ def _verify(dsts: Sequence[bytearray], batches: int, expected: Sequence[float]) 
 
 
 class HostKernel:
-    """A kernel built by aruntime's CPU compiler and loaded with plain ctypes, for the thread-pool baseline."""
+    """A kernel built by aruntime's CPU compiler (its flags, its cache) and loaded with plain ctypes."""
 
     def __init__(self, source: str) -> None:
         compiler = Device["CPU"].compiler
@@ -214,21 +210,20 @@ class HostKernel:
 
 
 async def measure_pipeline(case: Case, repeats: int) -> dict[str, Any]:
-    """The pipeline through a Scheduler on CPU and CPU:1, alternating with the to_thread baseline."""
+    """The pipeline through a Scheduler on CPU, and on CPU and CPU:1, alternating with the two-thread pool."""
     n, nbytes, batches = case.elements, case.elements * 4, case.batches
     devs = [Device[name] for name in DEVICES]
-    ndev = len(devs)
     source = pipeline_kernel(n)
     progs: list[Program] = [await d.compile(source, outs=(0,)) for d in devs]
     xs = [[await d.allocate(n, dtypes.float32) for _ in range(SLOTS)] for d in devs]
     ys = [[await d.allocate(n, dtypes.float32) for _ in range(SLOTS)] for d in devs]
     srcs = [array.array("f", [float(k + 1)]) * n for k in range(SOURCES)]
     check_srcs = [array.array("f", [CHECK_BASE + k + 1]) * n for k in range(SOURCES)]
-    dsts = [bytearray(nbytes) for _ in range(SLOTS * ndev)]
+    dsts = [bytearray(nbytes) for _ in range(SLOTS * len(devs))]
     expected = [pipeline_expected(CHECK_BASE + k + 1) for k in range(SOURCES)]
 
-    async def pipelined(sources: Sequence[array.array[float]] = srcs) -> None:
-        async with Scheduler(window=3 * SLOTS * ndev) as sched:
+    async def pipelined(ndev: int, sources: Sequence[array.array[float]] = srcs) -> None:
+        async with Scheduler() as sched:
             for i in range(batches):
                 d, s = i % ndev, (i // ndev) % SLOTS
                 x, y = xs[d][s], ys[d][s]
@@ -237,48 +232,63 @@ async def measure_pipeline(case: Case, repeats: int) -> dict[str, Any]:
                 sched.copyout(y, dsts[i % len(dsts)])
                 await sched.room()  # backpressure: at most the window in flight
 
+    async def one() -> None:
+        await pipelined(1)
+
+    async def two() -> None:
+        await pipelined(2)
+
     host = HostKernel(source)
-    lane_x = [(ctypes.c_char * nbytes)() for _ in range(ndev)]
-    lane_y = [(ctypes.c_char * nbytes)() for _ in range(ndev)]
+    lanes = len(devs)
+    # page-aligned, as aruntime's (64-byte) and tinygrad's buffers are aligned: a 64-byte vector loop slows down on
+    # memory that is only 16-byte aligned
+    lane_x = [mmap.mmap(-1, nbytes) for _ in range(lanes)]
+    lane_y = [mmap.mmap(-1, nbytes) for _ in range(lanes)]
     src_addr = [s.buffer_info()[0] for s in srcs]
     dst_addr = [_address(d) for d in dsts]
     memmove, kernel = ctypes.memmove, host.fn
 
-    def batch(i: int) -> None:
-        lane = i % ndev
-        x, y = ctypes.addressof(lane_x[lane]), ctypes.addressof(lane_y[lane])
-        memmove(x, src_addr[i % SOURCES], nbytes)
-        kernel(y, x)
-        memmove(dst_addr[i % len(dsts)], y, nbytes)
+    def lane(first: int) -> None:
+        x, y = _address(lane_x[first]), _address(lane_y[first])
+        for i in range(first, batches, lanes):
+            memmove(x, src_addr[i % SOURCES], nbytes)
+            kernel(y, x)
+            memmove(dst_addr[i % len(dsts)], y, nbytes)
 
-    async def threaded() -> None:
-        async def lane(first: int) -> None:
-            for i in range(first, batches, ndev):
-                await anyio.to_thread.run_sync(batch, i)
+    async def threads() -> None:
+        # runtime-free: plain threads, joined on the loop's own thread (nothing else runs meanwhile)
+        pool = [threading.Thread(target=lane, args=(first,)) for first in range(lanes)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
 
-        async with anyio.create_task_group() as tg:
-            for first in range(ndev):
-                tg.start_soon(lane, first)
-
-    await pipelined()  # warm-up: every page touched, engine threads awake
-    await threaded()
-    ours_s: list[float] = []
-    base_s: list[float] = []
+    for fn in (one, two, threads):  # warm-up: every page touched, engine threads awake
+        await fn()
+    one_s: list[float] = []
+    two_s: list[float] = []
+    threads_s: list[float] = []
     for _ in range(repeats):
-        ours_s.append(await timed(pipelined))
-        base_s.append(await timed(threaded))
-    await pipelined(check_srcs)
-    verified = _verify(dsts, batches, expected)
-    kernel_us = host.median_us(ctypes.addressof(lane_y[0]), ctypes.addressof(lane_x[0]))
+        one_s.append(await timed(one))
+        two_s.append(await timed(two))
+        threads_s.append(await timed(threads))
+    verified: dict[int, bool] = {}
+    for ndev in (1, 2):
+        for dst in dsts:
+            dst[:] = bytes(nbytes)
+        await pipelined(ndev, check_srcs)
+        verified[ndev] = _verify(dsts, batches, expected)
+    kernel_us = host.median_us(ys[0][0].handle, xs[0][0].handle)  # on aruntime's own device memory
     for dev, xb, yb in zip(devs, xs, ys, strict=True):
         for buf in (*xb, *yb):
             await dev.free(buf)
     return {
         "source": source,
         "expected": expected,
-        "aruntime_s": ours_s,
-        "to_thread_s": base_s,
-        "verified": verified,
+        "one_s": one_s,
+        "two_s": two_s,
+        "threads_s": threads_s,
+        "verified": verified[1] and verified[2],
         "kernel_us": kernel_us,
     }
 
@@ -390,8 +400,29 @@ async def measure_tinygrad(spec: dict[str, Any]) -> dict[str, Any]:
 
 # ---- rows -----------------------------------------------------------------------------------------------------------
 
-PIPELINE_GOAL = 1.5
+SMALL_BATCH = 1 << 20
+"""Batches below this many bytes are the per-op regime (the 256 KiB case), with its own goals."""
+
+
+@dataclass(frozen=True)
+class Goals:
+    """Minimum ratios of one case's pipeline rows (None: reported only)."""
+
+    one_vs_tinygrad: float
+    two_vs_tinygrad_threads: float
+    two_vs_threads: float | None
+
+
+LARGE_GOALS = Goals(1.1, 1.0, 0.95)
+SMALL_GOALS = Goals(1.2, 1.2, None)
+KERNEL_GOAL = 1.0
+"""aruntime's build of the pipeline kernel: at most this many times tinygrad's µs per launch."""
 LATENCY_WAKES = 1.5
+
+
+def goals_for(case: Case) -> Goals:
+    """The goals of ``case``: per-op ones for small batches, the copy-bound ones otherwise."""
+    return SMALL_GOALS if case.elements * 4 < SMALL_BATCH else LARGE_GOALS
 
 
 def _skip_row(name: str, value: float, unit: str, goal: str, reason: str, **extra: Any) -> Result:
@@ -404,6 +435,73 @@ def _concat(rounds: Sequence[dict[str, Any]], key: str) -> list[float]:
     return [v for r in rounds for v in r[key]]
 
 
+def _ratio_row(name: str, value: float, baseline: float, goal: float | None, what: str, **extra: Any) -> Result:
+    ratio = value / baseline
+    text = "report only" if goal is None else f">= {goal}x {what}"
+    return result(name, value, "batches/s", baseline, ratio, text, None if goal is None else ratio >= goal, **extra)
+
+
+def _pipeline_rows(case: Case, m: Measured, version: str, reason: str, runs: dict[str, int]) -> list[Result]:
+    ours = m.pipeline[case.label]
+    goals = goals_for(case)
+    one = case.batches / min(_concat(ours, "one_s"))
+    two = case.batches / min(_concat(ours, "two_s"))
+    pool = case.batches / min(_concat(ours, "threads_s"))
+    mib = case.elements * 4 / (1 << 20)
+    common = {
+        "batches": case.batches,
+        "batch_mib": mib,
+        "verified": all(r["verified"] for r in ours),
+        **runs,
+    }
+    prefix = f"peers_pipeline_{case.label}"
+    rows = [
+        _ratio_row(
+            f"{prefix}_2dev_vs_threads",
+            two,
+            pool,
+            goals.two_vs_threads,
+            "the two-thread pool",
+            gb_s=two * mib * (1 << 20) / 1e9,
+            **common,
+        )
+    ]
+    ours_us = statistics.median(r["kernel_us"] for r in ours)
+    theirs = [p for out in m.tinygrad for p in out["pipeline"] if p["label"] == case.label]
+    names = (
+        (f"{prefix}_1dev_vs_tinygrad", one, goals.one_vs_tinygrad, "one_s", "tinygrad one call after another"),
+        (f"{prefix}_2dev_vs_tinygrad", two, goals.two_vs_tinygrad_threads, "two_threads_s", "tinygrad 2 threads"),
+    )
+    kernel_name, kernel_goal = f"peers_kernel_{case.label}_vs_tinygrad", f"<= {KERNEL_GOAL}x tinygrad's build"
+    if not theirs:
+        for name, rate, goal, _, what in names:
+            rows.append(_skip_row(name, rate, "batches/s", f">= {goal}x {what} {version}", reason, **common))
+        rows.append(_skip_row(kernel_name, ours_us, "us", kernel_goal, reason, **runs))
+        return rows
+    tg_verified = all(p["verified"] for p in theirs)
+    for name, rate, goal, key, what in names:
+        tg_rate = case.batches / min(_concat(theirs, key))
+        rows.append(
+            _ratio_row(
+                name,
+                rate,
+                tg_rate,
+                goal,
+                f"{what} {version}",
+                gb_s=rate * mib * (1 << 20) / 1e9,
+                tinygrad_gb_s=tg_rate * mib * (1 << 20) / 1e9,
+                tinygrad_verified=tg_verified,
+                **common,
+            )
+        )
+    tg_us = statistics.median(p["kernel_us"] for p in theirs)
+    ratio = ours_us / tg_us
+    rows.append(
+        result(kernel_name, ours_us, "us", tg_us, ratio, kernel_goal, ratio <= KERNEL_GOAL, batch_mib=mib, **runs)
+    )
+    return rows
+
+
 def build_rows(plan: Plan, m: Measured) -> list[Result]:
     """The result rows of one run (tinygrad's rows carry ``skipped`` when it did not run)."""
     rows: list[Result] = []
@@ -412,31 +510,7 @@ def build_rows(plan: Plan, m: Measured) -> list[Result]:
     reason = m.skipped or "no tinygrad figures"
     runs = {"rounds": plan.rounds, "repeats": plan.repeats}
     for case in plan.cases:
-        ours = m.pipeline[case.label]
-        rate = case.batches / min(_concat(ours, "aruntime_s"))
-        base_rate = case.batches / min(_concat(ours, "to_thread_s"))
-        common = {
-            "batches": case.batches,
-            "batch_mib": case.elements * 4 / (1 << 20),
-            "passes": PASSES,
-            "verified": all(r["verified"] for r in ours),
-            "aruntime_kernel_us": statistics.median(r["kernel_us"] for r in ours),
-            **runs,
-        }
-        name = f"peers_pipeline_{case.label}_vs_to_thread"
-        rows.append(result(name, rate, "batches/s", base_rate, rate / base_rate, "report only", None, **common))
-        name, goal = f"peers_pipeline_{case.label}_vs_tinygrad", f">= {PIPELINE_GOAL}x tinygrad {version}"
-        theirs = [p for out in tg for p in out["pipeline"] if p["label"] == case.label]
-        if not theirs:
-            rows.append(_skip_row(name, rate, "batches/s", goal, reason, **common))
-            continue
-        tg_rate = case.batches / min(_concat(theirs, "seconds"))
-        ratio = rate / tg_rate
-        extra = {
-            "tinygrad_kernel_us": statistics.median(p["kernel_us"] for p in theirs),
-            "tinygrad_verified": all(p["verified"] for p in theirs),
-        }
-        rows.append(result(name, rate, "batches/s", tg_rate, ratio, goal, ratio >= PIPELINE_GOAL, **extra, **common))
+        rows.extend(_pipeline_rows(case, m, version, reason, runs))
 
     rps = plan.serving_tasks / min(_concat(m.serving, "seconds"))
     common = {

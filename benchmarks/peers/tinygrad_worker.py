@@ -15,9 +15,13 @@ tinygrad 0.13's device layer, as used:
 * ``dev.compiler.compile(src)``: ``ClangJITCompiler`` (clang to an ELF object,
   linked by tinygrad's ``jit_loader``); ``dev.runtime("kernel", lib)`` -> ``CPUProgram``.
 * ``prog(*bufs)`` enqueues the kernel on the device's worker thread and returns;
-  ``prog(*bufs, wait=True)`` also waits (``dev.synchronize()``). That queue is the
-  only overlap the layer offers: a kernel runs while the caller copies for the
-  other device.
+  ``prog(*bufs, wait=True)`` also waits (``dev.synchronize()``).
+
+The pipeline runs two ways: one call after another on ``CPU`` (nothing
+overlaps: each copy synchronizes the device first), and one user thread per
+device, each doing its batches one call after another (the copies run on the
+user threads, GIL released in ``memmove``, the kernels on the devices' worker
+threads).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import importlib.metadata
 import json
 import statistics
 import sys
+import threading
 import time
 import traceback
 from typing import Any
@@ -57,13 +62,13 @@ def _check(dsts: list[memoryview], batches: int, expected: list[float]) -> bool:
 def run_pipeline(
     devs: list[Any], progs: list[Any], n: int, batches: int, slots: int, dsts: list[memoryview], base: float = 0.0
 ) -> float:
-    """``batches`` rounds of copyin -> kernel -> copyout, alternating devices; returns the seconds taken.
+    """``batches`` rounds of copyin -> kernel -> copyout, one call after another from this thread; the seconds.
 
-    Per device: one input buffer (a copy-in synchronizes the device anyway, so
-    a second one could never be filled early) and ``slots`` output buffers
-    taken in turn. A batch's copy-out is done after the next batch's kernel has
-    been enqueued, so that kernel runs on its device's worker thread while this
-    thread copies: the most overlap these synchronous calls allow.
+    On one device (``devs`` of one) this is the layer used as written: a copy-in
+    or copy-out synchronizes the device first, so each batch's calls run in turn.
+    With more devices, batches alternate between them and a batch's copy-out is
+    done after the next batch's kernel has been enqueued, so that kernel runs on
+    its device's worker thread while this thread copies.
     """
     nbytes = n * 4
     srcs = [_filled(base + k + 1, n) for k in range(SOURCES)]
@@ -92,6 +97,73 @@ def run_pipeline(
         for buf in (x, *outs):
             dev.allocator.free(buf, nbytes)
     return elapsed
+
+
+def run_threads(
+    devs: list[Any], progs: list[Any], n: int, batches: int, dsts: list[memoryview], base: float = 0.0
+) -> float:
+    """The pipeline driven by one user thread per device: thread ``d`` does batches ``d, d + len(devs), ...``,
+    each copy-in, kernel, copy-out one call after another on its device; the seconds until both are done."""
+    nbytes = n * 4
+    srcs = [_filled(base + k + 1, n) for k in range(SOURCES)]
+    xs = [d.allocator.alloc(nbytes) for d in devs]
+    ys = [d.allocator.alloc(nbytes) for d in devs]
+    ndev = len(devs)
+
+    def lane(d: int) -> None:
+        alloc, prog, x, y = devs[d].allocator, progs[d], xs[d], ys[d]
+        for i in range(d, batches, ndev):
+            alloc._copyin(x, srcs[i % SOURCES])
+            prog(y, x)
+            alloc._copyout(dsts[i % len(dsts)], y)
+
+    pool = [threading.Thread(target=lane, args=(d,)) for d in range(ndev)]
+    gc.collect()
+    start = time.perf_counter()
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    elapsed = time.perf_counter() - start
+    for dev, x, y in zip(devs, xs, ys, strict=True):
+        dev.allocator.free(x, nbytes)
+        dev.allocator.free(y, nbytes)
+    return elapsed
+
+
+def measure_pipeline(devs: list[Any], case: dict[str, Any], slots: int, repeats: int) -> dict[str, Any]:
+    """One pipeline case, one call after another on the first device and with one user thread per device,
+    alternating, ``repeats`` times each after a warm-up; then each checked on new inputs."""
+    n, batches = case["elements"], case["batches"]
+    progs = [d.runtime("kernel", d.compiler.compile(case["source"])) for d in devs]
+    dsts = [memoryview(bytearray(n * 4)) for _ in range(slots * len(devs))]
+
+    def one(base: float = 0.0) -> float:
+        return run_pipeline(devs[:1], progs[:1], n, batches, slots, dsts, base)
+
+    def two(base: float = 0.0) -> float:
+        return run_threads(devs, progs, n, batches, dsts, base)
+
+    one()  # warm-up
+    two()
+    one_s: list[float] = []
+    two_s: list[float] = []
+    for _ in range(repeats):
+        one_s.append(one())
+        two_s.append(two())
+    verified = True
+    for run in (one, two):  # outputs cleared first, so a run that wrote nothing fails
+        for dst in dsts:
+            dst[:] = bytes(len(dst))
+        run(case["check_base"])
+        verified = verified and _check(dsts, batches, case["expected"])
+    return {
+        "label": case["label"],
+        "one_s": one_s,
+        "two_threads_s": two_s,
+        "verified": verified,
+        "kernel_us": kernel_only_us(devs[0], progs[0], n),
+    }
 
 
 def run_serving(dev: Any, prog: Any, n: int, tasks: int, variant: str) -> tuple[float, list[float], bool]:
@@ -201,23 +273,7 @@ def main() -> int:
         devs = [Device[name] for name in spec["devices"]]
         out["device_class"] = f"{type(devs[0]).__module__}.{type(devs[0]).__name__}"
         out["compiler_class"] = f"{type(devs[0].compiler).__module__}.{type(devs[0].compiler).__name__}"
-        pipeline = []
-        for case in spec["cases"]:
-            n, batches = case["elements"], case["batches"]
-            progs = [d.runtime("kernel", d.compiler.compile(case["source"])) for d in devs]
-            dsts = [memoryview(bytearray(n * 4)) for _ in range(spec["slots"] * len(devs))]
-            run_pipeline(devs, progs, n, batches, spec["slots"], dsts)  # warm-up
-            seconds = [run_pipeline(devs, progs, n, batches, spec["slots"], dsts) for _ in range(spec["repeats"])]
-            run_pipeline(devs, progs, n, batches, spec["slots"], dsts, case["check_base"])  # checked: new inputs
-            pipeline.append(
-                {
-                    "label": case["label"],
-                    "seconds": seconds,
-                    "verified": _check(dsts, batches, case["expected"]),
-                    "kernel_us": kernel_only_us(devs[0], progs[0], n),
-                }
-            )
-        out["pipeline"] = pipeline
+        out["pipeline"] = [measure_pipeline(devs, case, spec["slots"], spec["repeats"]) for case in spec["cases"]]
         out["serving"] = measure_serving(devs[0], spec["serving"], spec["repeats"])
         lat = spec["latency"]
         out["latency"] = run_latency(devs[0], lat["source"], lat["calls"], lat["warmup"])
