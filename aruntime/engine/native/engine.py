@@ -37,6 +37,8 @@ E_KERNEL, E_TIMEOUT, E_PYTHON, E_ORDER = 1, 2, 3, 4
 CHECK_BIT = 1 << 31
 _RECORD = struct.Struct("=IIQQQQQQII")
 """One command record, as core.c's ``ar_cmd``: kind, flags, a, b, c, d, op value, op id, name id, index."""
+RETIRE_EVERY = 64
+"""Finished ops a submission lets pile up before it retires them (awaiting or observing an op retires it at once)."""
 SPIN_NS = 20_000
 """How long a worker that ran out of commands polls for more before it sleeps (a wake-up costs more)."""
 
@@ -129,8 +131,8 @@ class NativeEngine(Engine):
 
     def _enqueue(self, cmds: list[Command], op: Op) -> None:
         inflight = self._inflight
-        if inflight and inflight[0][0].value <= self.signal.value:
-            self.retire()
+        if len(inflight) >= RETIRE_EVERY and inflight[0][0].value <= self.signal.value:
+            self.retire()  # in batches: an op that is awaited or observed is retired then anyway
         pack, value, op_id = _RECORD.pack, op.value, op.id
         record = F_RECORD if recorder.enabled else 0
         keep: list[Any] | None = None

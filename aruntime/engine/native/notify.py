@@ -83,6 +83,7 @@ class Notified:
                 heapq.heappush(heap, (value, next(_seq), item))
                 if callable(item):
                     self.callbacks += 1
+                    sig.callbacks += 1
                 armed = self._armed.get(sig)
                 if armed is None or value < armed or armed <= sig.value:  # none, too late, or fired already
                     self._armed[sig] = value
@@ -110,6 +111,7 @@ class Notified:
                         item = heapq.heappop(heap)[2]
                         if callable(item):
                             self.callbacks -= 1
+                            sig.callbacks -= 1
                         ready.append((sig, item))
                     if not heap:
                         del self._waits[sig]
@@ -139,6 +141,7 @@ class Notified:
                 item = heapq.heappop(heap)[2]
                 if callable(item):
                     self.callbacks -= 1
+                    sig.callbacks -= 1
                 ready.append(item)
             if heap is not None and not heap:
                 del self._waits[sig]
@@ -175,6 +178,7 @@ class Notified:
         for sig, heap in waits.items():
             for value, _, item in heap:
                 if callable(item):
+                    sig.callbacks -= 1
                     callback_thread().add(sig, value, item)
 
     def _close_fds(self) -> None:

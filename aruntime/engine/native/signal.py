@@ -55,7 +55,7 @@ class NativeSignal(TimelineSignal):
     up to date.
     """
 
-    __slots__ = ("__weakref__", "_lib", "_v", "ptr", "retire")
+    __slots__ = ("__weakref__", "_lib", "_v", "callbacks", "ptr", "retire")
 
     def __init__(self, name: str, timeout: float) -> None:
         lib = native.lib()
@@ -69,6 +69,9 @@ class NativeSignal(TimelineSignal):
         self.ptr: int = ptr
         self._v = memoryview((ctypes.c_uint64 * 1).from_address(ptr)).cast("B").cast("Q")
         self.retire: Callable[[], None] | None = None
+        self.callbacks = 0
+        """Callbacks registered on this signal, on any notified, not run yet (a hint: it spares the lookup of the
+        calling loop's notified in :meth:`catch_up` when there are none)."""
 
     def __del__(self) -> None:
         ptr = getattr(self, "ptr", 0)
@@ -91,6 +94,8 @@ class NativeSignal(TimelineSignal):
 
     def catch_up(self) -> None:
         """Run the due callbacks the calling thread's loop holds for this signal (see the base class)."""
+        if not self.callbacks:
+            return
         notified = _existing_notified()
         if notified is not None and notified.callbacks:
             notified.run_due(self)
