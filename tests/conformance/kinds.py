@@ -8,7 +8,9 @@ device class.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -103,6 +105,7 @@ class Kind:
 
 
 _DISK_DIR = tempfile.mkdtemp(prefix="aruntime-conformance-")
+atexit.register(shutil.rmtree, _DISK_DIR, ignore_errors=True)  # the DISK files go with the test process
 NAMES = {
     "CPU": ("CPU:30", "CPU:31"),  # devices no other test uses: their counters are the suite's alone
     "NULL": ("NULL:30", "NULL:31"),
