@@ -1,11 +1,11 @@
-"""Waking tasks from engine threads: one loop wake per batch of completions.
+"""Waking tasks on their event loop: one loop wake per batch, and one deadline timer per loop.
 
-An engine thread that completes work calls :meth:`Waker.post` with the
-:class:`Waiter` of each waiting task. The first post after a drain schedules
-one call on the task's event loop through the loop's thread-safe entry point;
-later posts only append to the pending batch. The drain then wakes every task
-in the batch. Works for asyncio (including uvloop) and trio; each loop has its
-own waker, so a task may await from any loop or thread.
+Each event loop (asyncio, uvloop or trio) that awaits ops has one :class:`Waker`. With the native engine,
+the waker owns the loop's notifier (:meth:`Waker.native`, see :mod:`aruntime.engine.native.notify`): native
+code writes its file descriptor and the loop resumes the waiting tasks itself. With the Python engine (and
+for callbacks that must wake a task from any thread), a thread calls :meth:`Waker.post` with the
+:class:`Waiter` of a waiting task: the first post after a drain schedules one call on the loop through its
+thread-safe entry point, later posts only append to the pending batch, and the drain wakes every task in it.
 
 Each waker also times out its waiters: their deadlines are kept in one heap,
 with one timer armed for the earliest, so a wait costs a heap push rather than
