@@ -75,7 +75,7 @@ class NativeSignal(TimelineSignal):
 
     def __del__(self) -> None:
         ptr = getattr(self, "ptr", 0)
-        if ptr:
+        if ptr and not sys.is_finalizing():  # at exit a worker may still wait on it: the process frees it
             self.ptr = 0
             self._v.release()
             self._lib.ar_sig_free(ptr)
