@@ -600,8 +600,10 @@ def dispatch_when_ready(
     wait commands cover cross-queue hazards (a queue runs in the order it is given
     work). With ``hold`` an op also waits off-queue, without a wait command, until
     its dependencies on other queues are done, so that later independent work on
-    its queue is not stuck behind it; this is how a :class:`~aruntime.scheduler.Scheduler`
-    overlaps straight-line code.
+    its queue is not stuck behind it (at the cost of the turn of the event loop
+    that dispatches it); this is how a :class:`~aruntime.scheduler.Scheduler`,
+    whose ``window`` also admits ops in order as room frees, overlaps
+    straight-line code.
     """
     mine: Collection[int] = {id(op) for _, _, op in ops} if len(ops) > 1 else ()  # one op never depends on itself
     blockers: list[tuple[Op, bool, Op]] = []  # (op, wait only for the dependency's dispatch, dependency)
