@@ -13,6 +13,7 @@ from aruntime.buffer import Buffer
 from aruntime.device import Device
 from aruntime.dtype import dtypes
 from aruntime.engine import native
+from aruntime.errors import DeviceError
 
 DOUBLE_SOURCES = {
     "CPU": "#include <stdint.h>\n"
@@ -31,11 +32,17 @@ class KindResult:
 
     kind: str
     is_default: bool
-    opened: bool
+    opened: bool | None
+    """Whether the kind opened (None: not tried, it opens only with an argument)."""
     kernel: bool | None
     reason: str = ""
     engine: str = ""
     """Which engine runs the kind's queues (``native``, ``python`` or the backend's own), when it opened."""
+
+    @property
+    def open_mark(self) -> str:
+        """``PASS``, ``FAIL``, or ``n/a`` for a kind that opens only with an argument."""
+        return "n/a" if self.opened is None else "PASS" if self.opened else "FAIL"
 
     @property
     def kernel_mark(self) -> str:
@@ -80,6 +87,10 @@ def check_kind(kind: str, default: str | None) -> KindResult:
         if cls.file_backed:
             engine = _open_file_backed(kind)
             return KindResult(kind, is_default, True, None, "file-backed: stores data, runs no kernels", engine)
+        try:
+            cls.check_name(kind)
+        except DeviceError as exc:  # a kind opened only with an argument (RAY:<host>/<device>): nothing to try
+            return KindResult(kind, is_default, None, None, f"opens only with an argument: {exc}")
         dev = Device[kind]
     except Exception as exc:
         return KindResult(kind, is_default, False, False, f"open failed: {exc}")
@@ -109,7 +120,7 @@ def run_check() -> int:
     for r in results:
         mark = " (default)" if r.is_default else ""
         print(
-            f"{r.kind}{mark}: open {'PASS' if r.opened else 'FAIL'}, kernel {r.kernel_mark}"
+            f"{r.kind}{mark}: open {r.open_mark}, kernel {r.kernel_mark}"
             + (f" - {r.reason}" if r.reason else "")
             + (f" [{r.engine} engine]" if r.engine else "")
         )

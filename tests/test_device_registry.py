@@ -243,8 +243,9 @@ def test_check_passes_on_the_default_and_lists_every_kind(tmp_path: Path) -> Non
     )
     assert any(line.startswith("DISK: open PASS, kernel n/a - ") for line in lines)
     assert any(line.startswith("NULL: open PASS, kernel n/a - ") and "no check kernel" in line for line in lines)
-    # CUDA (no GPU, no cuda-core) and RAY (named RAY:<host>/<device>) do not open as a bare kind here
-    assert not any("FAIL" in line for line in lines if not line.startswith(("CUDA:", "RAY:")))
+    assert any(line.startswith("RAY: open n/a, kernel n/a - opens only with an argument") for line in lines)
+    # CUDA does not open without a GPU and cuda-core
+    assert not any("FAIL" in line for line in lines if not line.startswith("CUDA:"))
     assert sum("(default)" in line for line in lines) == 1
 
 
