@@ -19,6 +19,7 @@ import heapq
 import itertools
 import logging
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -175,6 +176,8 @@ class Notified:
             self.callbacks = 0
         self._lib.ar_notifier_free(self.slot)
         self._close_fds()
+        if sys.is_finalizing():  # the process is ending: no thread is left to run them, none may start
+            return
         for sig, heap in waits.items():
             for value, _, item in heap:
                 if callable(item):

@@ -106,12 +106,15 @@ class NativeSignal(TimelineSignal):
 
     def on_reach(self, value: int, callback: Callable[[], None], where: object = None) -> None:
         """Call ``callback`` once the value reaches ``value``: on ``where`` (a notified from :meth:`here`), else on
-        the calling thread's loop, or the callback thread outside any loop; now if it already has."""
+        the calling thread's loop, or the callback thread outside any loop; now if it already has. While the
+        interpreter finalizes, a callback for a value not reached is dropped (the process frees what it held)."""
         if self._v[0] >= value:
             retire = self.retire
             if retire is not None:
                 retire()
             callback()
+            return
+        if sys.is_finalizing():  # the process is ending: nothing could run it (and no thread may start now)
             return
         target = where if isinstance(where, Notified) else current_notified()
         target.add(self, value, callback)
