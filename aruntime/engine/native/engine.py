@@ -22,6 +22,7 @@ import struct
 import threading
 from array import array
 from collections import deque
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from aruntime.engine import native
@@ -55,6 +56,16 @@ def _name_id(name: str) -> int:
     return found
 
 
+def _records(take: Callable[[int, int, int], int], eng: int) -> Iterator[tuple[int, ...]]:
+    """The 4-word records that ``take(engine, out, max)`` (``ar_take_ranges``, ``ar_take_failures``) moves out of
+    the native engine ``eng``, until it has none left."""
+    buf = array("Q", bytes(8 * 4 * 1024))
+    address = buf.buffer_info()[0]
+    while n := take(eng, address, 1024):
+        for i in range(n):
+            yield tuple(buf[4 * i : 4 * i + 4])
+
+
 def _u64(address: int) -> memoryview:
     return memoryview((ctypes.c_uint64 * 1).from_address(address)).cast("B").cast("Q")
 
@@ -76,13 +87,9 @@ class NativeRangeLog(RangeLog):
         events = super().drain()
         if self._count[0] == self._seen:
             return events
-        buf = array("Q", bytes(8 * 4 * 4096))
-        address = buf.buffer_info()[0]
-        while n := self._lib.ar_take_ranges(self._eng, address, 4096):
-            self._seen += n
-            for i in range(n):
-                start, end, op, name = buf[4 * i : 4 * i + 4]
-                events.append(RangeEvent(self.device, _name_list[name], start / 1000.0, end / 1000.0, self.is_copy, op))
+        for start, end, op, name in _records(self._lib.ar_take_ranges, self._eng):
+            self._seen += 1
+            events.append(RangeEvent(self.device, _name_list[name], start / 1000.0, end / 1000.0, self.is_copy, op))
         return events
 
     def detach(self) -> None:
@@ -282,13 +289,9 @@ class NativeEngine(Engine):
             self._note_failure(op)
 
     def _take_failures(self) -> None:
-        buf = array("Q", bytes(8 * 4 * 256))
-        address = buf.buffer_info()[0]
-        while n := self._lib.ar_take_failures(self.address, address, 256):
-            self.failures_seen += n
-            for i in range(n):
-                value, index, kind, status = buf[4 * i : 4 * i + 4]
-                self._failed[value] = (index, kind, status)
+        for value, index, kind, status in _records(self._lib.ar_take_failures, self.address):
+            self.failures_seen += 1
+            self._failed[value] = (index, kind, status)
 
     def _set_error(self, op: Op, index: int, kind: int, status: int) -> None:
         if kind == E_PYTHON and op.error is not None:

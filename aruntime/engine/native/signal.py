@@ -11,40 +11,35 @@ from aruntime.engine import native
 from aruntime.engine.native import notify
 from aruntime.engine.native.notify import Notified, callback_thread
 from aruntime.engine.signal import TimelineSignal
-from aruntime.engine.wakeup import Waiter, asyncio_waker, trio_waker
+from aruntime.engine.wakeup import Waiter, Waker, asyncio_waker, trio_waker
+
+
+def _loop_waker() -> Waker | None:
+    """The waker of the event loop running on the calling thread (asyncio or trio), or None outside any loop."""
+    loop = asyncio._get_running_loop()
+    if loop is not None:
+        return asyncio_waker(loop)
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            trio.lowlevel.current_trio_token()
+        except RuntimeError:
+            return None
+        return trio_waker()
+    return None
 
 
 def _existing_notified() -> Notified | None:
     """The notified that holds callbacks registered from the calling thread, if it has been made yet: the running
     event loop's, else (outside any loop) the callback thread's."""
-    loop = asyncio._get_running_loop()
-    if loop is not None:
-        return asyncio_waker(loop).notified
-    trio = sys.modules.get("trio")
-    if trio is not None:
-        try:
-            trio.lowlevel.current_trio_token()
-        except RuntimeError:
-            pass
-        else:
-            return trio_waker().notified
-    return notify.started_callback_thread()
+    waker = _loop_waker()
+    return notify.started_callback_thread() if waker is None else waker.notified
 
 
 def current_notified() -> Notified:
     """The notified of the running event loop (asyncio or trio), else the callback thread's."""
-    loop = asyncio._get_running_loop()
-    if loop is not None:
-        return asyncio_waker(loop).native()
-    trio = sys.modules.get("trio")
-    if trio is not None:
-        try:
-            trio.lowlevel.current_trio_token()
-        except RuntimeError:
-            pass
-        else:
-            return trio_waker().native()
-    return callback_thread()
+    waker = _loop_waker()
+    return callback_thread() if waker is None else waker.native()
 
 
 class NativeSignal(TimelineSignal):
