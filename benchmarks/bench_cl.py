@@ -28,9 +28,8 @@ from typing import Any
 from aruntime import Device, Op
 from aruntime.device import BaseDevice
 from aruntime.errors import DeviceError
-from aruntime.scheduler import Scheduler
-from benchmarks.bench_engine import BareWorker, _memmoves, _stream, _threads_on_one_cpu
-from benchmarks.bench_scheduler import BLOCK, SLOTS, WINDOW, _allocate, _calibrate, _exec_seconds, _expected
+from benchmarks.bench_engine import _memmoves, _stream, _threads_on_one_cpu, launch_vs_bare_wake
+from benchmarks.bench_scheduler import BLOCK, SLOTS, _allocate, _calibrate, _exec_seconds, _expected, double_buffered
 from benchmarks.common import Benchmark, Result, interleaved, result, settings, timed
 
 os.environ.setdefault("POCL_DEVICES", "pthread pthread")  # two PoCL devices for the pipeline
@@ -91,23 +90,9 @@ async def cl_roundtrip() -> list[Result]:
     dev = devs[0]
     n, repeats = (50, 3) if settings.quick else (400, 9)
     prog = await dev.compile(EMPTY, "empty")
-    worker = BareWorker()
-
-    async def ours() -> None:
-        for _ in range(n):
-            await dev.launch(prog)
-
-    async def base() -> None:
-        for _ in range(n):
-            await worker.submit()
-
-    try:
-        with _threads_on_one_cpu():
-            ours_s, base_s = await interleaved(ours, base, repeats)
-            driver_us = _driver_roundtrip(dev, n) * 1e6
-    finally:
-        worker.close()
-    value, baseline = ours_s / n * 1e6, base_s / n * 1e6
+    with _threads_on_one_cpu():
+        value, baseline = await launch_vs_bare_wake(dev, prog, n, repeats)
+        driver_us = _driver_roundtrip(dev, n) * 1e6
     ratio = value / baseline
     return [result("cl_roundtrip", value, "us", baseline, ratio, "ratio <= 1.5", ratio <= 1.5, driver_us=driver_us)]
 
@@ -170,16 +155,7 @@ async def cl_pipeline() -> list[Result]:
             await devs[d].copyout(ys[d][s], dsts[d][s])
 
     async def pipelined() -> None:
-        lag = len(devs)
-        async with Scheduler(window=WINDOW) as sched:
-            for b in range(batches + lag):
-                if b < batches:
-                    d, s = where(b)
-                    sched.copyin(xs[d][s], srcs[d])
-                    sched.launch(progs[d], ys[d][s], xs[d][s], vals=(n, work))
-                if b >= lag:
-                    d, s = where(b - lag)
-                    sched.copyout(ys[d][s], dsts[d][s])
+        await double_buffered(devs, progs, xs, ys, srcs, dsts, (n, work), batches)
 
     for run in (one_by_one, pipelined):  # warm-up that checks the results
         for slots in dsts:

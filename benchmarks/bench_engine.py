@@ -37,7 +37,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from aruntime import Device, Op
+from aruntime import BaseDevice, Device, Op, Program
 from benchmarks.common import Benchmark, Result, interleaved, loop_independent, result, settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -149,15 +149,8 @@ def _threads_on_one_cpu() -> Iterator[None]:
                 os.sched_setaffinity(int(tid.name), allowed)
 
 
-async def roundtrip() -> list[Result]:
-    """Awaited launch of an empty CPU kernel against a bare worker thread waking a future on the same loop.
-
-    Measured twice: with threads unpinned, as users run it, and with every thread on one CPU (see
-    :func:`_threads_on_one_cpu`), where a wake-up costs least.
-    """
-    n, repeats = (50, 3) if settings.quick else (400, 9)
-    dev = Device["CPU"]
-    prog = await dev.compile(EMPTY_KERNEL)
+async def launch_vs_bare_wake(dev: BaseDevice, prog: Program, n: int, repeats: int) -> tuple[float, float]:
+    """Median µs of one awaited ``dev.launch(prog)`` and of one bare worker wake, ``n`` in a row, on this loop."""
     worker = BareWorker()
 
     async def ours() -> None:
@@ -168,16 +161,28 @@ async def roundtrip() -> list[Result]:
         for _ in range(n):
             await worker.submit()
 
-    rows = []
     try:
-        for name, placement in (("roundtrip", contextlib.nullcontext()), ("roundtrip_pinned", _threads_on_one_cpu())):
-            with placement:
-                ours_s, base_s = await interleaved(ours, base, repeats)
-            value, baseline = ours_s / n * 1e6, base_s / n * 1e6
-            ratio = value / baseline
-            rows.append(result(name, value, "us", baseline, ratio, "ratio <= 1.0", ratio <= 1.0))
+        ours_s, base_s = await interleaved(ours, base, repeats)
     finally:
         worker.close()
+    return ours_s / n * 1e6, base_s / n * 1e6
+
+
+async def roundtrip() -> list[Result]:
+    """Awaited launch of an empty CPU kernel against a bare worker thread waking a future on the same loop.
+
+    Measured twice: with threads unpinned, as users run it, and with every thread of the process on one CPU
+    (see :func:`_threads_on_one_cpu`), where a wake-up costs least.
+    """
+    n, repeats = (50, 3) if settings.quick else (400, 9)
+    dev = Device["CPU"]
+    prog = await dev.compile(EMPTY_KERNEL)
+    rows = []
+    for name, placement in (("roundtrip", contextlib.nullcontext()), ("roundtrip_pinned", _threads_on_one_cpu())):
+        with placement:
+            value, baseline = await launch_vs_bare_wake(dev, prog, n, repeats)
+        ratio = value / baseline
+        rows.append(result(name, value, "us", baseline, ratio, "ratio <= 1.0", ratio <= 1.0))
     return rows
 
 

@@ -184,6 +184,39 @@ async def _calibrate(dev: BaseDevice, prog: Program, x: Buffer, y: Buffer, src: 
     return work, copy_s
 
 
+async def double_buffered(
+    devs: Sequence[BaseDevice],
+    progs: Sequence[Program],
+    xs: Sequence[Sequence[Buffer]],
+    ys: Sequence[Sequence[Buffer]],
+    srcs: Sequence[Any],
+    dsts: Sequence[Sequence[Any]],
+    vals: tuple[int, ...],
+    batches: int,
+) -> None:
+    """Copy-in -> kernel -> copy-out ``batches`` batches through one Scheduler, batch ``b`` on device ``b % len(devs)``
+    in slot ``(b // len(devs)) % SLOTS`` of its ``xs``/``ys``.
+
+    Double-buffered order: a device's next batch is copied in and launched before its previous batch is copied
+    out, so that the copy-out (which waits for the previous kernel) does not hold the next copy-in back.
+    """
+    lag = len(devs)
+
+    def where(b: int) -> tuple[int, int]:
+        return b % lag, (b // lag) % SLOTS
+
+    async with Scheduler(window=WINDOW) as sched:
+        for b in range(batches + lag):
+            if b < batches:
+                d, s = where(b)
+                sched.copyin(xs[d][s], srcs[d])
+                sched.launch(progs[d], ys[d][s], xs[d][s], vals=vals)
+            if b >= lag:
+                d, s = where(b - lag)
+                sched.copyout(ys[d][s], dsts[d][s])
+            await sched.room()  # backpressure: at most the window in flight
+
+
 async def scheduler_pipeline() -> list[Result]:
     """Copy-in -> kernel -> copy-out batches over CPU and CPU:1: overlap through a Scheduler vs one by one."""
     quick = settings.quick
@@ -221,19 +254,7 @@ async def scheduler_pipeline() -> list[Result]:
             op_s[i] = clock() - start
 
     async def pipelined() -> None:
-        # Double-buffered order: a device's next batch is copied in and launched before its previous batch is
-        # copied out, so that copy-out (which waits for the previous kernel) does not hold the next copy-in back.
-        lag = len(devs)
-        async with Scheduler(window=WINDOW) as sched:
-            for b in range(batches + lag):
-                if b < batches:
-                    d, s = where(b)
-                    sched.copyin(xs[d][s], srcs[d])
-                    sched.launch(progs[d], ys[d][s], xs[d][s], vals=(n, work))
-                if b >= lag:
-                    d, s = where(b - lag)
-                    sched.copyout(ys[d][s], dsts[d][s])
-                await sched.room()  # backpressure: at most the window in flight
+        await double_buffered(devs, progs, xs, ys, srcs, dsts, (n, work), batches)
 
     cores = _cores()
     ceiling = await _parallel_ceiling(devs[0])
