@@ -365,7 +365,7 @@ class CLEngine(Engine):
         i = -1
         try:
             if op.inputs:
-                check_deps(op)
+                check_deps(op, settle=False)  # an input that already failed: nothing is enqueued
             for i, cmd in enumerate(cmds):  # noqa: B007 (after a failure, i says where it stopped)
                 kind = cmd[0]
                 if kind == WAIT:

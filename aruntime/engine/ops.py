@@ -177,11 +177,16 @@ class Op:
         return SignalTimeout(f"{self.name} on {self._submitted().signal.name}: {state} after {limit:g} s")
 
     def done(self) -> bool:
-        """Whether the engine has finished with this op (successfully or not); if so, ``error`` is up to date."""
+        """Whether the engine has finished with this op (successfully or not); if so, ``error`` is up to date.
+
+        An engine that learns of failures after its signal has advanced (the native engine) sets them in
+        :meth:`Engine.retire`: a done op that it has not retired yet (its ``cmds`` are still held) is retired
+        here, so that a done op's ``error`` is never read before it is known.
+        """
         engine = self.engine
         if engine is None or engine.signal.value < self.value:
             return False
-        if engine.failures[0] != engine.failures_seen:
+        if self.cmds is not None or engine.failures[0] != engine.failures_seen:
             engine.retire()
         return True
 
@@ -366,9 +371,20 @@ class Engine:
         """Called once, under the engine's lock, when it closes: let whatever executes finish and end."""
 
 
-def check_deps(op: Op) -> None:
-    """Raise :class:`DependencyError` if an op whose output ``op`` consumes failed (engines call it before running)."""
+def check_deps(op: Op, settle: bool = True) -> None:
+    """Raise :class:`DependencyError` if an op whose output ``op`` consumes failed.
+
+    Engines call it before they run ``op`` or deliver its result. With ``settle`` (on an engine's thread) an
+    input not yet done is waited for first, so that its failure is known: a driver may have run ``op`` after
+    the input's commands before the input's own engine completed it. Without it (on the submitting thread,
+    which never blocks) only inputs already done are checked.
+    """
     for dep in op.inputs:
+        if dep.error is None and not dep.done():  # an error, once set, is final
+            if not settle:
+                continue
+            dep.wait_done()
+            dep.done()  # brings its error up to date
         error = dep.error
         if error is not None:
             first = error.first if isinstance(error, DependencyError) else dep.name
