@@ -7,6 +7,7 @@ import ctypes
 import mmap
 import threading
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
 
@@ -46,6 +47,37 @@ class BufferSpec:
 DEFAULT_SPEC = BufferSpec()
 """The spec of a buffer that asks for nothing special."""
 
+_deferred: deque[Callable[[], None]] = deque()
+_draining = threading.local()
+
+
+def defer(work: Callable[[], None]) -> None:
+    """Leave ``work`` (a free) to the next allocator call, for finalizers: takes no lock, so it is safe where a
+    garbage collection runs a finalizer, under any lock at all (appending to a deque is atomic).
+
+    Every allocator runs what was left at its next ``alloc``, ``free``, ``free_cache``, ``memory_stats`` and
+    ``in_use`` read, before it takes its own lock.
+    """
+    _deferred.append(work)
+
+
+def run_deferred() -> None:
+    """Run the work left by :func:`defer` (errors are dropped, as a finalizer's would be); nothing if this
+    thread is running it already (the work frees through allocators, which call this again)."""
+    if not _deferred or getattr(_draining, "active", False):
+        return
+    _draining.active = True
+    try:
+        while True:
+            try:
+                work = _deferred.popleft()
+            except IndexError:  # another thread took the last one
+                return
+            with contextlib.suppress(Exception):
+                work()
+    finally:
+        _draining.active = False
+
 
 class Allocator(Generic[H]):
     """Allocates device memory through a backend's underscore hooks.
@@ -55,6 +87,7 @@ class Allocator(Generic[H]):
     ``_transfer`` (device to device). ``in_use`` counts the bytes of live buffers
     (``peak_in_use`` the most it has been). Transfers between host-mapped devices
     need no ``_transfer``: they run the source device's ``copy_fn`` on the two handles.
+    Frees left by finalizers (:func:`defer`) run at the start of each public method.
     """
 
     host_mapped: ClassVar[bool] = False
@@ -71,13 +104,15 @@ class Allocator(Generic[H]):
     @property
     def in_use(self) -> int:
         """Bytes of live buffers (counted by :class:`~aruntime.buffer.Buffer`; file-backed devices count none)."""
+        run_deferred()
         return self._in_use
 
-    @in_use.setter
-    def in_use(self, nbytes: int) -> None:
-        self._in_use = nbytes
-        if nbytes > self.peak_in_use:
-            self.peak_in_use = nbytes
+    def _count(self, nbytes: int) -> None:
+        """Add ``nbytes`` (negative: take them away) to :attr:`in_use`; call it under the lock that orders the
+        counts (:class:`~aruntime.buffer.Buffer` does)."""
+        self._in_use += nbytes
+        if self._in_use > self.peak_in_use:
+            self.peak_in_use = self._in_use
 
     def check_size(self, size: object) -> int:
         """``size`` if it is a byte count this allocator can address, else a :class:`BufferUsageError`."""
@@ -92,10 +127,12 @@ class Allocator(Generic[H]):
 
     def alloc(self, size: int, spec: BufferSpec | None = None) -> H:
         """Allocate ``size`` bytes (> 0, at most :attr:`max_bytes`)."""
+        run_deferred()
         return self._alloc(self.check_size(size), spec or DEFAULT_SPEC)
 
     def free(self, handle: H, size: int, spec: BufferSpec | None = None) -> None:
         """Release a handle from :meth:`alloc` of the same size and spec."""
+        run_deferred()
         self._free(handle, size, spec or DEFAULT_SPEC)
 
     def _alloc(self, size: int, spec: BufferSpec) -> H:
@@ -112,7 +149,8 @@ class Allocator(Generic[H]):
 
     def memory_stats(self) -> dict[str, int]:
         """Counters of this allocator: ``in_use`` and ``peak_in_use`` bytes (see :class:`LRUAllocator` for more)."""
-        return {"in_use": self.in_use, "peak_in_use": self.peak_in_use}
+        run_deferred()
+        return {"in_use": self._in_use, "peak_in_use": self.peak_in_use}
 
 
 DEFAULT_CACHE_LIMIT = 1 << 30
@@ -171,10 +209,12 @@ class LRUAllocator(Allocator[H]):
         """``in_use``, ``peak_in_use``, ``cached`` and ``cache_limit`` bytes, and the counts of backend
         ``allocations`` and ``frees``, ``cache_hits``, ``evictions`` (freed to stay within the limit) and
         ``flushes`` (:meth:`free_cache` calls, out-of-memory retries included)."""
+        stats = super().memory_stats()  # outside the lock: it runs the deferred frees
         with self._lock:
-            return {**super().memory_stats(), "cached": self._cached, "cache_limit": self._limit, **self._stats}
+            return {**stats, "cached": self._cached, "cache_limit": self._limit, **self._stats}
 
     def alloc(self, size: int, spec: BufferSpec | None = None) -> H:
+        run_deferred()
         spec = spec or DEFAULT_SPEC
         key = (size, spec)
         with self._lock:
@@ -199,6 +239,7 @@ class LRUAllocator(Allocator[H]):
         return handle
 
     def free(self, handle: H, size: int, spec: BufferSpec | None = None) -> None:
+        run_deferred()
         spec = spec or DEFAULT_SPEC
         if spec.nolru or spec.external_ptr is not None or not self.lru or size > self._limit:
             self._release([((size, spec), handle)])
@@ -236,6 +277,7 @@ class LRUAllocator(Allocator[H]):
 
     def free_cache(self) -> None:
         """Really free every cached handle (memory from ``mmap`` goes back to the operating system)."""
+        run_deferred()
         with self._lock:
             entries = list(self._order.values())
             self._order.clear()

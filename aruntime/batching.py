@@ -18,6 +18,8 @@ from typing import Generic, TypeVar
 import anyio
 import anyio.abc
 
+from aruntime.helpers import checkpoint
+
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -50,7 +52,8 @@ class Batcher(Generic[T, R]):
     cancelled, the batch that runs is cancelled, and every caller still
     waiting gets a :class:`RuntimeError` (so does one that calls a batcher
     that is closed). A batcher serves the tasks of the event loop it was
-    opened in; ``run`` must not call it.
+    opened in; ``run`` must not call it. Entering, leaving and each call
+    are checkpoints.
     """
 
     def __init__(self, run: Callable[[list[T]], Awaitable[Sequence[R]]], max_batch: int = 1024) -> None:
@@ -66,6 +69,7 @@ class Batcher(Generic[T, R]):
         self._tg: anyio.abc.TaskGroup | None = None
 
     async def __aenter__(self) -> Batcher[T, R]:
+        await checkpoint()
         if self._tg is not None:
             raise RuntimeError("this batcher is already open")
         self._tg = anyio.create_task_group()
@@ -82,7 +86,10 @@ class Batcher(Generic[T, R]):
         self._poke()
         try:
             if exc_type is None or issubclass(exc_type, anyio.get_cancelled_exc_class()):
-                return await self._tg.__aexit__(exc_type, exc, tb)
+                suppress = await self._tg.__aexit__(exc_type, exc, tb)
+                if exc_type is None:
+                    await checkpoint()  # the task group's exit is none when the runner has returned already
+                return suppress
             self._tg.cancel_scope.cancel()  # the body failed: stop the runner, and let the error through as it is
             await self._tg.__aexit__(None, None, None)
             return None

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable
 from functools import partial
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from aruntime.allocator import DEFAULT_SPEC, Allocator, BufferSpec
+from aruntime.allocator import DEFAULT_SPEC, Allocator, BufferSpec, defer
 from aruntime.dtype import DType, dtypes
 from aruntime.errors import BufferUsageError
 from aruntime.hazards import AccessLog
-from aruntime.helpers import after_all, canonicalize
+from aruntime.helpers import after_all, canonicalize, checkpoint
 
 if TYPE_CHECKING:
     from aruntime.device import BaseDevice
@@ -55,7 +54,7 @@ def _release(allocator: Allocator[Any], handle: Any, nbytes: int, spec: BufferSp
     allocator.free(handle, nbytes, spec)
     if counted:
         with _counter_lock:
-            allocator.in_use -= nbytes
+            allocator._count(-nbytes)
 
 
 class Buffer:
@@ -193,7 +192,7 @@ class Buffer:
         self._generation += 1
         if self.spec.external_ptr is None and not self.owner.file_backed:
             with _counter_lock:
-                allocator.in_use += self.nbytes
+                allocator._count(self.nbytes)
         return self
 
     def deallocate(self) -> None:
@@ -225,17 +224,19 @@ class Buffer:
             op.when_done(one_done)
 
     def _lend(self) -> Callable[[], None]:
-        """Count a zero-copy export of the root's memory; the function returned ends it (from any thread).
+        """Count a zero-copy export of the root's memory; the function returned ends it (from any thread, a
+        finalizer included: the end is left to the next allocator call, see :func:`~aruntime.allocator.defer`).
         Freeing the buffer releases the memory only once every export has ended."""
         root = self.base
         with _counter_lock:
             root._loans += 1
-        return partial(_end_loan, root)
+        return partial(defer, partial(_end_loan, root))
 
     def __del__(self) -> None:
+        # a finalizer may run under any lock (a collection starts wherever Python allocates), one a free takes
+        # included: the free is left to the next allocator call, which runs it outside every lock
         if getattr(self, "_handle", None) is not None and self._base is None:
-            with contextlib.suppress(Exception):  # at interpreter shutdown the process frees it anyway
-                self.deallocate()
+            defer(self.deallocate)
 
     def view(self, size: int, dtype: DType, offset: int) -> Buffer:
         """A view of ``size`` elements of ``dtype`` at byte ``offset`` into this buffer."""
@@ -313,7 +314,11 @@ class Buffer:
 
 
 class BufferScope:
-    """What :meth:`BaseDevice.buffer` returns: ``async with`` it to hold a buffer for the block."""
+    """What :meth:`BaseDevice.buffer` returns: ``async with`` it to hold a buffer for the block.
+
+    Entering and leaving are checkpoints, like :meth:`BaseDevice.allocate` and :meth:`BaseDevice.free`: a
+    cancelled exit has freed the buffer all the same, and its memory is released once its ops are done.
+    """
 
     def __init__(self, device: BaseDevice, size: int, dtype: DType, spec: BufferSpec | None) -> None:
         self.device = device
@@ -334,3 +339,5 @@ class BufferScope:
         buf, self.buffer = self.buffer, None
         if buf is not None and buf.is_allocated():  # the block may have freed it already
             await self.device.free(buf)  # unusable now, released once its ops are done, even if this is cancelled
+        else:
+            await checkpoint()  # an exit is a checkpoint, with or without a buffer to free

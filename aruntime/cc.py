@@ -12,6 +12,7 @@ import hashlib
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import tempfile
 from collections.abc import Sequence
@@ -100,6 +101,46 @@ def _load_dir() -> str | None:
     return "/dev/shm" if usable else None
 
 
+# per ELF class (EI_CLASS): the header's e_phoff, e_shoff, e_phentsize, e_phnum, e_shentsize, e_shnum and its
+# size; a program header's p_type, p_offset, p_filesz and its size
+_ELF_LAYOUT = {b"\x01": ("28xII6xHHHH", 52, "II8xI", 32), b"\x02": ("32xQQ6xHHHH", 64, "I4xQ16xQ", 56)}
+_ELF_ORDER = {b"\x01": "<", b"\x02": ">"}  # EI_DATA
+
+
+def _check_elf(lib: bytes) -> None:
+    """Raise ``OSError`` naming the damage where ``lib`` is an ELF file whose header, program headers, segments
+    or section header table reach past its end (dlopen would map the missing pages: a SIGBUS at first touch).
+
+    Anything that does not start like an ELF file is left to the platform's loader, which reads its header
+    before mapping anything.
+    """
+    if lib[:4] != b"\x7fELF":
+        return
+    size = len(lib)
+    layout, order = _ELF_LAYOUT.get(lib[4:5]), _ELF_ORDER.get(lib[5:6])
+    if layout is None or order is None or size < layout[1]:
+        raise OSError(f"a damaged shared library: {size} bytes do not hold an ELF header")
+    header, _, segment, segment_size = layout
+    phoff, shoff, phentsize, phnum, shentsize, shnum = struct.unpack_from(order + header, lib)
+    if (phnum and phentsize < segment_size) or phoff + phnum * phentsize > size:
+        raise OSError(
+            f"a damaged shared library of {size} bytes: its {phnum} program headers of {phentsize} bytes at "
+            f"{phoff} are not inside it"
+        )
+    for i in range(phnum):
+        kind, offset, filesz = struct.unpack_from(order + segment, lib, phoff + i * phentsize)
+        if offset + filesz > size:
+            raise OSError(
+                f"a damaged shared library of {size} bytes: segment {i} (type {kind}) holds bytes {offset} to "
+                f"{offset + filesz} of the file"
+            )
+    if shnum and shoff + shnum * shentsize > size:
+        raise OSError(
+            f"a damaged shared library of {size} bytes: its {shnum} section headers of {shentsize} bytes at "
+            f"{shoff} are not inside it"
+        )
+
+
 _loaded: dict[bytes, ctypes.CDLL] = {}
 
 
@@ -109,10 +150,13 @@ def load(lib: bytes) -> ctypes.CDLL:
     Programs compiled to the same binary share it (static variables included),
     so compiling a kernel again maps nothing new. dlopen needs a file: the
     library is written to a private temporary file, loaded and unlinked at once.
-    Raises ``OSError`` if the loader refuses it.
+    Raises ``OSError`` if the loader refuses it, or, before any loading, if it
+    is an ELF file whose headers or segments reach past its end (a truncated
+    file, which the loader would map and crash on).
     """
     loaded = _loaded.get(lib)
     if loaded is None:
+        _check_elf(lib)
         fd, path = tempfile.mkstemp(prefix="aruntime-", suffix=".so", dir=_load_dir())
         try:
             with os.fdopen(fd, "wb") as f:

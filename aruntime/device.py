@@ -20,13 +20,14 @@ from aruntime.buffer import Buffer, BufferScope, typed
 from aruntime.compiler import Compiler, check_source
 from aruntime.dtype import DType, dtypes
 from aruntime.engine import COPY, EXEC, Command, CommandQueue, CopyFn, Engine, Op, first_failure, make_engine
-from aruntime.errors import BufferUsageError, DeviceError
+from aruntime.errors import BufferUsageError, DeviceError, SignalTimeout
 from aruntime.events import DependencyEvent, DeviceEvent, recorder
-from aruntime.helpers import after_all, canonicalize, getenv, is_index, pin
+from aruntime.helpers import after_all, canonicalize, checkpoint, getenv, is_index, pin
 
 PRIORITY = ("CUDA", "CPU", "CL")
-"""Kinds tried in order for the default device (file-backed kinds and NULL are never the default; CPU goes
-before CL, whose only driver here, PoCL, runs on the same CPU: set ARUNTIME_CL=1 to make CL the default)."""
+"""Kinds tried in order for the default device (other kinds, NULL included, are the default only through
+``ARUNTIME_<KIND>=1``, file-backed kinds never; CPU goes before CL, whose usual driver, PoCL, runs on the same CPU:
+set ARUNTIME_CL=1 to make CL the default)."""
 
 Bound = tuple[Callable[..., object], tuple[Any, ...]]
 """What :meth:`Program.bind` returns: the callable an engine runs for one launch, and its arguments."""
@@ -169,7 +170,9 @@ class BaseDevice:
         ``size`` is a positive int (not a bool) and ``size * dtype.itemsize`` at most what the device can
         address (:attr:`Allocator.max_bytes`); ``dtype`` is storable (:meth:`dtypes.is_storable`). A
         file-backed device maps the file on a worker thread (file system calls); others allocate at once.
+        A checkpoint first: a cancelled call allocates nothing.
         """
+        await checkpoint()
         self.check_usable("allocate")
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise BufferUsageError(f"allocate on {self.name}: size must be a positive int of elements, got {size!r}")
@@ -203,11 +206,14 @@ class BaseDevice:
     async def free(self, buf: Buffer) -> None:
         """Free ``buf``. It is unusable at once; its memory is released when its in-flight ops finish.
 
-        Waits for that release; cancelling the wait does not stop the release.
+        Waits for that release; cancelling the wait does not stop the release. A checkpoint even with
+        nothing to wait for, after the buffer is freed: a cancellation there does not undo the free.
         """
         self._check(buf, "free")
         pending = buf.log.pending()
         buf.deallocate()
+        if not pending:
+            await checkpoint()
         for op in pending:
             await op.settled()
 
@@ -491,8 +497,10 @@ class BaseDevice:
     async def aclose(self) -> None:
         """:meth:`close` for async code: waits for the work in flight without blocking the loop (bounded by
         the device's :attr:`timeout`; a timeout leaves it open), then stops the engines on a worker thread.
-        If the awaiting task is cancelled, the device stays open."""
+        If the awaiting task is cancelled during the wait (a checkpoint even when the device is idle or
+        closed), the device stays open; once the wait has passed, the close completes."""
         if not self._begin_close():
+            await checkpoint()
             return
         settled = False
         try:
@@ -500,11 +508,13 @@ class BaseDevice:
             settled = True
         finally:
             if settled:
-                await anyio.to_thread.run_sync(self._finish_close, True, abandon_on_cancel=False)
+                with anyio.CancelScope(shield=True):  # a cancellation now must not leave the device closing
+                    await anyio.to_thread.run_sync(self._finish_close, True)
             else:
                 self._finish_close(False)
 
     async def __aenter__(self) -> BaseDevice:
+        await checkpoint()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -600,10 +610,16 @@ def dispatch_when_ready(
     wait commands cover cross-queue hazards (a queue runs in the order it is given
     work). With ``hold`` an op also waits off-queue, without a wait command, until
     its dependencies on other queues are done, so that later independent work on
-    its queue is not stuck behind it (at the cost of the turn of the event loop
-    that dispatches it); this is how a :class:`~aruntime.scheduler.Scheduler`,
+    its queue is not stuck behind it; this is how a :class:`~aruntime.scheduler.Scheduler`,
     whose ``window`` also admits ops in order as room frees, overlaps
-    straight-line code.
+    straight-line code. A single held op whose dependencies all run on engines that
+    :attr:`~aruntime.engine.Engine.pends` is handed over by the engine itself: on the
+    native engine the core appends it to its queue from the worker thread that meets
+    the last dependency, with no trip through the event loop. Otherwise (several ops
+    at once, a refusing ``window``, another kind of engine) a callback on the
+    dependencies' completion hands them over: on the native engine it runs on the
+    event loop that submitted them (one turn of that loop; the callback thread outside
+    any loop), on the Python engine on the engine thread that completed the dependency.
     """
     mine: Collection[int] = {id(op) for _, _, op in ops} if len(ops) > 1 else ()  # one op never depends on itself
     blockers: list[tuple[Op, bool, Op]] = []  # (op, wait only for the dependency's dispatch, dependency)
@@ -618,6 +634,15 @@ def dispatch_when_ready(
     if not blockers and window is None:
         _dispatch(ops, mine)
         return
+    if window is None and len(ops) == 1 and ops[0][0].pends and all(_pends_with(dep) for _, _, dep in blockers):
+        engine, body, op = ops[0]
+        if recorder.enabled:
+            recorder.events.extend(DependencyEvent(dep.id, op.id) for _, on, dep in blockers if not on)
+        try:
+            engine.pend(body, op, [(on, dep) for _, on, dep in blockers])
+        except DeviceError as exc:  # its engine was closed meanwhile
+            op.abandon(engine, exc)
+        return
     for engine, _, op in ops:
         op.hold(engine)
     if recorder.enabled:
@@ -627,6 +652,13 @@ def dispatch_when_ready(
         (dep.when_dispatched if on_dispatch else dep.when_done)(one_ready)
     if window is not None:
         window._queue_for_room([op for _, _, op in ops], one_ready)
+
+
+def _pends_with(dep: Op) -> bool:
+    """Whether an op pending in an engine's core can wait for ``dep`` there: ``dep`` runs on such an engine
+    too, and has been handed to it or is pending in it."""
+    engine = dep.engine
+    return engine is not None and engine.pends and (dep.cell is not None or dep.dispatched)
 
 
 def _dispatch(ops: Sequence[tuple[Engine, list[Command], Op]], mine: Collection[int]) -> None:
@@ -780,29 +812,63 @@ def is_dtype_supported(dtype: DType, device: str | None = None) -> bool:
 
 
 def _unfinished(dev: BaseDevice) -> str:
-    """What is still in flight on ``dev``'s queues, for a warning."""
+    """What is still in flight on ``dev``'s queues, for a message (empty if nothing is): per queue, how many ops
+    were submitted and not done and how many are held, and the names of the first ones its engine can name."""
     parts = []
     for engine in (dev.compute, dev.copy):
         running = max(0, engine.last - engine.signal.value)
         held = sorted(op.name for op in tuple(engine.held))
         if running or held:
-            names = f" ({', '.join(held[:5])}{', ...' if len(held) > 5 else ''})" if held else ""
+            named = [op.name for op in engine._unfinished()] + held
+            names = f" ({', '.join(named[:5])}{', ...' if len(named) > 5 else ''})" if named else ""
             parts.append(f"{engine.signal.name}: {running} op(s) submitted and {len(held)} held{names}")
-    return "; ".join(parts) or "nothing"
+    return "; ".join(parts)
+
+
+EXIT_NOTICE = 1.0
+"""Seconds the wait at interpreter exit lasts before it says what it waits for (see :func:`finish_at_exit`)."""
+
+
+def _settle_at_exit(dev: BaseDevice) -> None:
+    """Wait for ``dev``'s work in flight (each wait bounded by its timeout), saying what is waited for, in a
+    warning, once the wait has lasted :data:`EXIT_NOTICE` seconds."""
+    try:
+        dev.settle_blocking(min(EXIT_NOTICE, dev.timeout))
+    except SignalTimeout:
+        if dev.timeout <= EXIT_NOTICE:
+            raise
+        unfinished = _unfinished(dev)
+        if unfinished:
+            warnings.warn(
+                f"aruntime at exit: waiting up to {dev.timeout:g} s for the work in flight on {dev.name}: "
+                f"{unfinished} (Ctrl-C stops waiting and drops it)",
+                RuntimeWarning,
+                stacklevel=1,
+            )
+        dev.settle_blocking()
 
 
 def finish_at_exit() -> None:
     """At interpreter exit: wait for the work in flight on every open device (each wait bounded by the
-    device's timeout), warn naming what did not finish (it is dropped) and the failures nobody awaited, and
-    write file-backed devices' mappings back to their files (``msync``). Registered with :mod:`atexit` on
-    import."""
+    device's timeout, and said in a warning when it lasts more than :data:`EXIT_NOTICE` seconds), warn naming
+    what did not finish (it is dropped) and the failures nobody awaited, and write file-backed devices'
+    mappings back to their files (``msync``). A :class:`KeyboardInterrupt` (Ctrl-C) stops the waiting: what
+    is still in flight on every device is dropped, and named. Registered with :mod:`atexit` on import."""
+    interrupted = False
     for dev in Device.devices():
-        try:
-            dev.settle_blocking()
-        except Exception as exc:
+        dropped = "interrupted by Ctrl-C" if interrupted else None
+        if not interrupted:
+            try:
+                _settle_at_exit(dev)
+            except KeyboardInterrupt:
+                interrupted, dropped = True, "interrupted by Ctrl-C"
+            except Exception as exc:
+                dropped = f"{type(exc).__name__}: {exc}"
+        unfinished = _unfinished(dev) if dropped is not None else ""
+        if unfinished:
             warnings.warn(
-                f"aruntime at exit: work in flight on {dev.name} did not finish and is dropped: "
-                f"{_unfinished(dev)} ({type(exc).__name__}: {exc})",
+                f"aruntime at exit: work in flight on {dev.name} did not finish and is dropped: {unfinished} "
+                f"({dropped})",
                 RuntimeWarning,
                 stacklevel=1,
             )

@@ -32,7 +32,9 @@ class SignalTimeout(AruntimeError, TimeoutError):
 
 
 class OpError(AruntimeError):
-    """An op failed on a device engine; ``__cause__`` holds the original exception."""
+    """An op failed. Every op failure is one: the runtime's own kinds (:class:`DependencyError`,
+    :class:`~aruntime.engine.KernelError`) are subclasses raised as they are; any other exception is wrapped in
+    an ``OpError`` naming the op and its queue, with the original in ``__cause__``."""
 
 
 class DependencyError(OpError):

@@ -473,7 +473,8 @@ def _record_when_done(run: GraphRun, graph: Graph, plan: _Plan, times: list[list
 
 
 class GraphRun:
-    """One replay in flight: ``await run`` gives its copy-out results by name, or raises its first failure."""
+    """One replay in flight: ``await run`` gives its copy-out results by name, or raises its first failure
+    (a checkpoint even once the replay is done)."""
 
     def __init__(self, ops: tuple[Op, ...], results: dict[str, Any]) -> None:
         self.ops = ops

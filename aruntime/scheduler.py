@@ -27,7 +27,7 @@ from aruntime.buffer import Buffer
 from aruntime.device import Program, transfer
 from aruntime.engine import Engine, Op, first_failure
 from aruntime.errors import OpError, SchedulerFull, SignalTimeout
-from aruntime.helpers import after_all
+from aruntime.helpers import after_all, checkpoint
 
 if TYPE_CHECKING:
     from aruntime.graph import Graph, GraphRun
@@ -51,7 +51,8 @@ class Scheduler:
     awaited. If the scope is cancelled or fails, ops still in the queue are
     dropped (awaiting one raises an :class:`~aruntime.errors.OpError`) and those
     in flight are waited for (shielded, at most ``drain_timeout`` seconds), so
-    nothing in use is freed.
+    nothing in use is freed. Entering, leaving, :meth:`room` and :meth:`drain`
+    are checkpoints even when there is nothing to wait for.
     """
 
     def __init__(self, window: int = 1024, queue: int = 4096, drain_timeout: float = 30.0) -> None:
@@ -73,6 +74,7 @@ class Scheduler:
         self._open = False
 
     async def __aenter__(self) -> Scheduler:
+        await checkpoint()
         if self._open:
             raise RuntimeError("this scheduler is already open")
         self._open = True
@@ -206,7 +208,9 @@ class Scheduler:
     # ---- waiting ------------------------------------------------------------------------------------
 
     async def room(self) -> None:
-        """Wait until an op enqueued now is admitted at once: nothing queued, fewer than ``window`` in flight."""
+        """Wait until an op enqueued now is admitted at once: nothing queued, fewer than ``window`` in flight.
+        A checkpoint even when there is room."""
+        await checkpoint()
         while (oldest := self._pump()) is not None:
             try:
                 await oldest.settled()
@@ -217,6 +221,7 @@ class Scheduler:
                 ) from exc
 
     async def _wait_all(self) -> None:
+        await checkpoint()  # also when nothing is left to wait for
         while True:
             with self._lock:
                 self._retire()

@@ -5,11 +5,14 @@ The same C kernel sources and sizes run, in the same run, on:
 * aruntime: ``CPU`` alone, and ``CPU`` with ``CPU:1``, each driven through one
   :class:`Scheduler` with default settings (pipeline, serving), or one awaited
   ``dev.launch`` at a time (latency);
-* tinygrad's own device layer (``Device``, its allocator, ``ClangJITCompiler``
-  and ``CPUProgram``; the pinned release from PyPI, installed into a separate
-  virtual environment and driven by ``benchmarks/peers/tinygrad_worker.py`` in a
-  subprocess, see that file for exactly which calls): one call after another on
-  one device, and two user threads, one per device;
+* tinygrad's own device layer, two pinned releases from PyPI (``PEERS``), each
+  installed into its own virtual environment and driven by
+  ``benchmarks/peers/tinygrad_worker.py`` in a subprocess (see that file for
+  exactly which calls): 0.13.0 (``Device["CPU"]``, its allocator,
+  ``ClangJITCompiler`` and ``CPUProgram``, programs run on a worker thread per
+  device) and 0.10.1 (``Device["CLANG"]``, ``Buffer`` copies, programs called
+  on the caller's thread); one call after another on one device, and two user
+  threads, one per device;
 * a runtime-free pool: two plain Python threads, each doing ``memmove`` /
   kernel / ``memmove`` per batch through ctypes on its own buffers, the kernel
   built the way aruntime builds it (the limit of this machine);
@@ -26,21 +29,23 @@ device: ``cc -O3 -march=native``; tinygrad: ``clang -O2 -march=native
 µs per launch.
 
 The run is ``rounds`` rounds; each measures aruntime on one device, on two, and
-the thread pool (alternating, ``repeats`` times each), then runs tinygrad's
-worker (``repeats`` times each), so both sides are sampled across the same
-stretch of time. Threads are left unpinned, as users run them. Throughputs are
-from the fastest repeat of each side (interference only ever slows a run down);
-latencies are medians over every call.
+the thread pool (alternating, ``repeats`` times each), then runs each tinygrad
+release's worker (``repeats`` times each), so all sides are sampled across the
+same stretch of time. Threads are left unpinned, as users run them. Throughputs
+are from the fastest repeat of each side (interference only ever slows a run
+down); latencies are medians over every call.
 
-Goals (issue 11), per 4 MiB batch: one device >= 1.1x tinygrad one call after
-another; two devices >= 1.0x tinygrad with two user threads, and >= 0.95x the
-two-thread pool; per 256 KiB batch (per-op cost decides): >= 1.2x tinygrad, on
-one and on two devices; aruntime's build of the kernel no slower than
-tinygrad's. Awaited launch latency <= tinygrad's synchronous launch + 1.5 x the
-bare wake.
+Goals, per 4 MiB batch: one device >= 1.1x tinygrad one call after another;
+two devices >= 1.0x tinygrad 0.13.0 with two user threads (issue 11), >= 1.1x
+tinygrad 0.10.1 with two user threads (issue 18), and >= 0.95x the two-thread
+pool; per 256 KiB batch (per-op cost decides): >= 1.2x tinygrad, on one and on
+two devices; aruntime's build of the kernel no slower than tinygrad's. Against
+0.13.0 also: awaited launch latency <= tinygrad's synchronous launch + 1.5 x
+the bare wake, and serving (reported). Rows against 0.13.0 end in
+``_vs_tinygrad``, those against 0.10.1 in ``_vs_tinygrad_0_10_1``.
 
-When the tinygrad environment cannot be built (no network for pip, no clang) the
-tinygrad rows are still emitted, with ``skipped`` saying why, and no figures.
+When a tinygrad environment cannot be built (no network for pip, no clang) its
+rows are still emitted, with ``skipped`` saying why, and no figures.
 ``ARUNTIME_BENCH_PEERS=0`` skips the tinygrad side on purpose;
 ``ARUNTIME_BENCH_INSTALL_CLANG=1`` lets it ``apt-get install clang`` when root.
 """
@@ -146,13 +151,22 @@ class Plan:
 
 @dataclass
 class Measured:
-    """Every round's raw figures: aruntime's and the thread pool's, and tinygrad's worker output."""
+    """Every round's raw figures: aruntime's and the thread pool's, and each tinygrad release's worker output
+    (``tinygrad``, by version; a release in ``skipped`` has none, and the reason)."""
 
     pipeline: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     serving: list[dict[str, Any]] = field(default_factory=list)
     latency: list[dict[str, Any]] = field(default_factory=list)
-    tinygrad: list[dict[str, Any]] = field(default_factory=list)
-    skipped: str | None = None
+    tinygrad: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def figures(self, version: str) -> list[dict[str, Any]]:
+        """Every round's output of tinygrad ``version``'s worker (none when it was skipped, in any round)."""
+        return [] if version in self.skipped else self.tinygrad.get(version, [])
+
+    def reason(self, version: str) -> str:
+        """Why tinygrad ``version`` has no figures."""
+        return self.skipped.get(version, "no tinygrad figures")
 
 
 def _address(obj: Any) -> int:
@@ -363,6 +377,36 @@ async def measure_latency(calls: int, warmup: int) -> dict[str, list[float]]:
 
 # ---- tinygrad -------------------------------------------------------------------------------------------------------
 
+
+@dataclass(frozen=True)
+class Goals:
+    """Minimum ratios of one case's pipeline rows against one tinygrad release."""
+
+    one_vs_tinygrad: float
+    two_vs_tinygrad_threads: float
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A pinned tinygrad release that rows compare against."""
+
+    version: str
+    tag: str
+    """Row names end in ``_vs_<tag>``."""
+    large: Goals
+    """The goals of the copy-bound batches (the 4 MiB case)."""
+    small: Goals
+    """The goals of the per-op batches (the 256 KiB case)."""
+    serving_and_latency: bool
+    """Also the serving and launch-latency rows (else the pipeline and kernel rows only)."""
+
+
+PEERS = (
+    Peer(setup_tinygrad.TINYGRAD_VERSION, "tinygrad", Goals(1.1, 1.0), Goals(1.2, 1.2), True),
+    Peer(setup_tinygrad.TINYGRAD_CLANG_VERSION, "tinygrad_0_10_1", Goals(1.1, 1.1), Goals(1.2, 1.2), False),
+)
+"""The releases compared against, in row order: 0.13.0 with issue 11's goals, 0.10.1 with issue 18's."""
+
 WORKER_LIMIT_S = 600.0
 """How long one run of the tinygrad worker may take before its rows are reported as skipped."""
 
@@ -375,15 +419,16 @@ def _worker_env() -> dict[str, str]:
     return env
 
 
-async def measure_tinygrad(spec: dict[str, Any]) -> dict[str, Any]:
-    """Build (or reuse) tinygrad's environment and run its worker on ``spec``; PeerUnavailable says why not."""
+async def measure_tinygrad(version: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """Build (or reuse) the environment of tinygrad ``version`` and run its worker on ``spec``; PeerUnavailable says
+    why not."""
     install = os.environ.get("ARUNTIME_BENCH_INSTALL_CLANG") == "1"
-    python = await anyio.to_thread.run_sync(setup_tinygrad.ensure, install)
+    python = await anyio.to_thread.run_sync(setup_tinygrad.ensure, version, install)
     with tempfile.TemporaryDirectory(prefix="aruntime-peers-") as tmp:
         spec_path = anyio.Path(tmp) / "spec.json"
         await spec_path.write_text(json.dumps(spec))
         with anyio.fail_after(WORKER_LIMIT_S):
-            command = [str(python), str(setup_tinygrad.WORKER), spec_path]
+            command = [str(python), str(setup_tinygrad.WORKER), str(spec_path)]
             proc = await anyio.run_process(command, env=_worker_env(), check=False)
     text = proc.stdout.decode(errors="replace").strip()
     try:
@@ -402,27 +447,16 @@ async def measure_tinygrad(spec: dict[str, Any]) -> dict[str, Any]:
 
 SMALL_BATCH = 1 << 20
 """Batches below this many bytes are the per-op regime (the 256 KiB case), with its own goals."""
-
-
-@dataclass(frozen=True)
-class Goals:
-    """Minimum ratios of one case's pipeline rows (None: reported only)."""
-
-    one_vs_tinygrad: float
-    two_vs_tinygrad_threads: float
-    two_vs_threads: float | None
-
-
-LARGE_GOALS = Goals(1.1, 1.0, 0.95)
-SMALL_GOALS = Goals(1.2, 1.2, None)
+POOL_GOAL = 0.95
+"""Two devices against the two-thread pool, copy-bound batches only (small ones: reported)."""
 KERNEL_GOAL = 1.0
 """aruntime's build of the pipeline kernel: at most this many times tinygrad's µs per launch."""
 LATENCY_WAKES = 1.5
 
 
-def goals_for(case: Case) -> Goals:
-    """The goals of ``case``: per-op ones for small batches, the copy-bound ones otherwise."""
-    return SMALL_GOALS if case.elements * 4 < SMALL_BATCH else LARGE_GOALS
+def per_op(case: Case) -> bool:
+    """Whether ``case``'s batches are small enough that the cost per op, not the copies, decides."""
+    return case.elements * 4 < SMALL_BATCH
 
 
 def _skip_row(name: str, value: float, unit: str, goal: str, reason: str, **extra: Any) -> Result:
@@ -441,46 +475,57 @@ def _ratio_row(name: str, value: float, baseline: float, goal: float | None, wha
     return result(name, value, "batches/s", baseline, ratio, text, None if goal is None else ratio >= goal, **extra)
 
 
-def _pipeline_rows(case: Case, m: Measured, version: str, reason: str, runs: dict[str, int]) -> list[Result]:
-    ours = m.pipeline[case.label]
-    goals = goals_for(case)
-    one = case.batches / min(_concat(ours, "one_s"))
-    two = case.batches / min(_concat(ours, "two_s"))
-    pool = case.batches / min(_concat(ours, "threads_s"))
-    mib = case.elements * 4 / (1 << 20)
-    common = {
+def _pipeline_common(case: Case, m: Measured, runs: dict[str, int]) -> dict[str, Any]:
+    """What every pipeline row of ``case`` carries."""
+    return {
         "batches": case.batches,
-        "batch_mib": mib,
-        "verified": all(r["verified"] for r in ours),
+        "batch_mib": case.elements * 4 / (1 << 20),
+        "verified": all(r["verified"] for r in m.pipeline[case.label]),
         **runs,
     }
+
+
+def _rate(case: Case, rounds: Sequence[dict[str, Any]], key: str) -> float:
+    """Batches per second of the fastest repeat under ``key`` over ``rounds``."""
+    return case.batches / min(_concat(rounds, key))
+
+
+def _pool_row(case: Case, m: Measured, runs: dict[str, int]) -> Result:
+    """aruntime on two devices against the two-thread pool (no tinygrad involved)."""
+    ours = m.pipeline[case.label]
+    two, pool = _rate(case, ours, "two_s"), _rate(case, ours, "threads_s")
+    common = _pipeline_common(case, m, runs)
+    goal = None if per_op(case) else POOL_GOAL
+    name = f"peers_pipeline_{case.label}_2dev_vs_threads"
+    gb_s = two * case.elements * 4 / 1e9
+    return _ratio_row(name, two, pool, goal, "the two-thread pool", gb_s=gb_s, **common)
+
+
+def _pipeline_rows(case: Case, peer: Peer, m: Measured, version: str, runs: dict[str, int]) -> list[Result]:
+    """aruntime on one and on two devices, and its build of the kernel, against tinygrad release ``peer``."""
+    ours = m.pipeline[case.label]
+    goals = peer.small if per_op(case) else peer.large
+    nbytes = case.elements * 4
+    common = _pipeline_common(case, m, runs)
     prefix = f"peers_pipeline_{case.label}"
-    rows = [
-        _ratio_row(
-            f"{prefix}_2dev_vs_threads",
-            two,
-            pool,
-            goals.two_vs_threads,
-            "the two-thread pool",
-            gb_s=two * mib * (1 << 20) / 1e9,
-            **common,
-        )
-    ]
-    ours_us = statistics.median(r["kernel_us"] for r in ours)
-    theirs = [p for out in m.tinygrad for p in out["pipeline"] if p["label"] == case.label]
     names = (
-        (f"{prefix}_1dev_vs_tinygrad", one, goals.one_vs_tinygrad, "one_s", "tinygrad one call after another"),
-        (f"{prefix}_2dev_vs_tinygrad", two, goals.two_vs_tinygrad_threads, "two_threads_s", "tinygrad 2 threads"),
+        (f"{prefix}_1dev_vs_{peer.tag}", "one_s", goals.one_vs_tinygrad, "one_s", "tinygrad one call after another"),
+        (f"{prefix}_2dev_vs_{peer.tag}", "two_s", goals.two_vs_tinygrad_threads, "two_threads_s", "tinygrad 2 threads"),
     )
-    kernel_name, kernel_goal = f"peers_kernel_{case.label}_vs_tinygrad", f"<= {KERNEL_GOAL}x tinygrad's build"
+    ours_us = statistics.median(r["kernel_us"] for r in ours)
+    kernel_name, kernel_goal = f"peers_kernel_{case.label}_vs_{peer.tag}", f"<= {KERNEL_GOAL}x tinygrad's build"
+    theirs = [p for out in m.figures(peer.version) for p in out["pipeline"] if p["label"] == case.label]
+    rows: list[Result] = []
     if not theirs:
-        for name, rate, goal, _, what in names:
+        reason = m.reason(peer.version)
+        for name, key, goal, _, what in names:
+            rate = _rate(case, ours, key)
             rows.append(_skip_row(name, rate, "batches/s", f">= {goal}x {what} {version}", reason, **common))
         rows.append(_skip_row(kernel_name, ours_us, "us", kernel_goal, reason, **runs))
         return rows
     tg_verified = all(p["verified"] for p in theirs)
-    for name, rate, goal, key, what in names:
-        tg_rate = case.batches / min(_concat(theirs, key))
+    for name, key, goal, tg_key, what in names:
+        rate, tg_rate = _rate(case, ours, key), _rate(case, theirs, tg_key)
         rows.append(
             _ratio_row(
                 name,
@@ -488,8 +533,8 @@ def _pipeline_rows(case: Case, m: Measured, version: str, reason: str, runs: dic
                 tg_rate,
                 goal,
                 f"{what} {version}",
-                gb_s=rate * mib * (1 << 20) / 1e9,
-                tinygrad_gb_s=tg_rate * mib * (1 << 20) / 1e9,
+                gb_s=rate * nbytes / 1e9,
+                tinygrad_gb_s=tg_rate * nbytes / 1e9,
                 tinygrad_verified=tg_verified,
                 **common,
             )
@@ -497,21 +542,24 @@ def _pipeline_rows(case: Case, m: Measured, version: str, reason: str, runs: dic
     tg_us = statistics.median(p["kernel_us"] for p in theirs)
     ratio = ours_us / tg_us
     rows.append(
-        result(kernel_name, ours_us, "us", tg_us, ratio, kernel_goal, ratio <= KERNEL_GOAL, batch_mib=mib, **runs)
+        result(
+            kernel_name,
+            ours_us,
+            "us",
+            tg_us,
+            ratio,
+            kernel_goal,
+            ratio <= KERNEL_GOAL,
+            batch_mib=common["batch_mib"],
+            **runs,
+        )
     )
     return rows
 
 
-def build_rows(plan: Plan, m: Measured) -> list[Result]:
-    """The result rows of one run (tinygrad's rows carry ``skipped`` when it did not run)."""
-    rows: list[Result] = []
-    tg = m.tinygrad
-    version = tg[0]["tinygrad_version"] if tg else setup_tinygrad.TINYGRAD_VERSION
-    reason = m.skipped or "no tinygrad figures"
-    runs = {"rounds": plan.rounds, "repeats": plan.repeats}
-    for case in plan.cases:
-        rows.extend(_pipeline_rows(case, m, version, reason, runs))
-
+def _serving_row(plan: Plan, peer: Peer, m: Measured, runs: dict[str, int]) -> Result:
+    """aruntime's serving throughput against the faster of tinygrad ``peer``'s two ways (reported)."""
+    tg = m.figures(peer.version)
     rps = plan.serving_tasks / min(_concat(m.serving, "seconds"))
     common = {
         "tasks": plan.serving_tasks,
@@ -521,47 +569,70 @@ def build_rows(plan: Plan, m: Measured) -> list[Result]:
         "p99_ms": statistics.median(r["p99_ms"] for r in m.serving),
         **runs,
     }
-    name = "peers_serving_vs_tinygrad"
+    name = f"peers_serving_vs_{peer.tag}"
     if not tg:
-        rows.append(_skip_row(name, rps, "req/s", "report only", reason, **common))
-    else:
-        variants = {v: [out["serving"][v] for out in tg] for v in tg[0]["serving"]}
-        variant_rps = {v: plan.serving_tasks / min(_concat(rs, "seconds")) for v, rs in variants.items()}
-        best = max(variant_rps, key=lambda v: variant_rps[v])
-        extra = {
-            "tinygrad_variant": best,
-            "tinygrad_variant_req_s": variant_rps,
-            "tinygrad_p50_ms": statistics.median(r["p50_ms"] for r in variants[best]),
-            "tinygrad_p99_ms": statistics.median(r["p99_ms"] for r in variants[best]),
-            "tinygrad_verified": all(r["verified"] for rs in variants.values() for r in rs),
-        }
-        tg_rps = variant_rps[best]
-        rows.append(result(name, rps, "req/s", tg_rps, rps / tg_rps, "report only", None, **extra, **common))
+        return _skip_row(name, rps, "req/s", "report only", m.reason(peer.version), **common)
+    variants = {v: [out["serving"][v] for out in tg] for v in tg[0]["serving"]}
+    variant_rps = {v: plan.serving_tasks / min(_concat(rs, "seconds")) for v, rs in variants.items()}
+    best = max(variant_rps, key=lambda v: variant_rps[v])
+    extra = {
+        "tinygrad_variant": best,
+        "tinygrad_variant_req_s": variant_rps,
+        "tinygrad_p50_ms": statistics.median(r["p50_ms"] for r in variants[best]),
+        "tinygrad_p99_ms": statistics.median(r["p99_ms"] for r in variants[best]),
+        "tinygrad_verified": all(r["verified"] for rs in variants.values() for r in rs),
+    }
+    tg_rps = variant_rps[best]
+    return result(name, rps, "req/s", tg_rps, rps / tg_rps, "report only", None, **extra, **common)
 
+
+def _latency_row(peer: Peer, m: Measured) -> Result:
+    """aruntime's awaited launch against tinygrad ``peer``'s synchronous one plus 1.5 bare wakes."""
+    tg = m.figures(peer.version)
     launch_us, wake_us = _concat(m.latency, "launch_us"), _concat(m.latency, "wake_us")
     ours_us, wake = statistics.median(launch_us), statistics.median(wake_us)
-    name, goal = "peers_launch_latency_vs_tinygrad", f"<= tinygrad sync launch + {LATENCY_WAKES} x bare wake"
+    name, goal = f"peers_launch_latency_vs_{peer.tag}", f"<= tinygrad sync launch + {LATENCY_WAKES} x bare wake"
     common = {"wake_us": wake, "calls": len(launch_us), "aruntime_p90_us": _percentile(launch_us, 90)}
     if not tg:
-        rows.append(_skip_row(name, ours_us, "us", goal, reason, **common))
-    else:
-        tg_calls = [v for out in tg for v in out["latency"]["us"]]
-        tg_us = statistics.median(tg_calls)
-        budget = tg_us + LATENCY_WAKES * wake
-        ratio = ours_us / budget
-        extra = {"tinygrad_sync_us": tg_us, "tinygrad_p90_us": _percentile(tg_calls, 90)}
-        rows.append(result(name, ours_us, "us", budget, ratio, goal, ratio <= 1.0, **extra, **common))
-    for row in rows:
-        row["tinygrad"] = version
+        return _skip_row(name, ours_us, "us", goal, m.reason(peer.version), **common)
+    tg_calls = [v for out in tg for v in out["latency"]["us"]]
+    tg_us = statistics.median(tg_calls)
+    budget = tg_us + LATENCY_WAKES * wake
+    ratio = ours_us / budget
+    extra = {"tinygrad_sync_us": tg_us, "tinygrad_p90_us": _percentile(tg_calls, 90)}
+    return result(name, ours_us, "us", budget, ratio, goal, ratio <= 1.0, **extra, **common)
+
+
+def build_rows(plan: Plan, m: Measured) -> list[Result]:
+    """The result rows of one run: per case the pool row, then each release's pipeline and kernel rows; then the
+    serving and latency rows of the releases that have them. A release's rows carry its version (``tinygrad``),
+    and ``skipped`` when it did not run."""
+    runs = {"rounds": plan.rounds, "repeats": plan.repeats}
+    versions = {p.version: next((out["tinygrad_version"] for out in m.figures(p.version)), p.version) for p in PEERS}
+    rows: list[Result] = []
+
+    def add(peer: Peer, new: Sequence[Result]) -> None:
+        for row in new:
+            row["tinygrad"] = versions[peer.version]
+        rows.extend(new)
+
+    for case in plan.cases:
+        rows.append(_pool_row(case, m, runs))
+        for peer in PEERS:
+            add(peer, _pipeline_rows(case, peer, m, versions[peer.version], runs))
+    for peer in PEERS:
+        if peer.serving_and_latency:
+            add(peer, [_serving_row(plan, peer, m, runs), _latency_row(peer, m)])
     return rows
 
 
 async def side_by_side(quick: bool, with_tinygrad: bool = True) -> list[Result]:
-    """Measure aruntime, the thread pool and tinygrad, round by round, on the same sources and sizes; the rows."""
+    """Measure aruntime, the thread pool and each tinygrad release, round by round, on the same sources and sizes;
+    the rows."""
     plan = Plan.make(quick)
-    m = Measured(pipeline={case.label: [] for case in plan.cases})
+    m = Measured(pipeline={case.label: [] for case in plan.cases}, tinygrad={peer.version: [] for peer in PEERS})
     if not with_tinygrad:
-        m.skipped = "tinygrad side not requested (ARUNTIME_BENCH_PEERS=0)"
+        m.skipped = {peer.version: "tinygrad side not requested (ARUNTIME_BENCH_PEERS=0)" for peer in PEERS}
     for _ in range(plan.rounds):
         cases: list[dict[str, Any]] = []
         for case in plan.cases:
@@ -579,33 +650,29 @@ async def side_by_side(quick: bool, with_tinygrad: bool = True) -> list[Result]:
             )
         m.serving.append(await measure_serving(plan.serving_tasks, plan.serving_elements, plan.repeats))
         m.latency.append(await measure_latency(plan.latency_calls, plan.latency_warmup))
-        if m.skipped is not None:
-            continue
-        spec = {
-            "devices": list(DEVICES),
-            "repeats": plan.repeats,
-            "slots": SLOTS,
-            "cases": cases,
-            "serving": {
-                "source": m.serving[-1]["source"],
-                "tasks": plan.serving_tasks,
-                "elements": plan.serving_elements,
-            },
-            "latency": {"source": TINY_KERNEL, "calls": plan.latency_calls, "warmup": plan.latency_warmup},
-        }
-        try:
-            m.tinygrad.append(await measure_tinygrad(spec))
-        except setup_tinygrad.PeerUnavailable as exc:
-            m.skipped = str(exc)
-        except TimeoutError:
-            m.skipped = f"tinygrad worker ran past {WORKER_LIMIT_S:g} s"
-    if m.skipped is not None:
-        m.tinygrad = []
+        for peer in PEERS:
+            if peer.version in m.skipped:
+                continue
+            spec: dict[str, Any] = {"devices": len(DEVICES), "repeats": plan.repeats, "slots": SLOTS, "cases": cases}
+            if peer.serving_and_latency:
+                spec["serving"] = {
+                    "source": m.serving[-1]["source"],
+                    "tasks": plan.serving_tasks,
+                    "elements": plan.serving_elements,
+                }
+                spec["latency"] = {"source": TINY_KERNEL, "calls": plan.latency_calls, "warmup": plan.latency_warmup}
+            try:
+                m.tinygrad[peer.version].append(await measure_tinygrad(peer.version, spec))
+            except setup_tinygrad.PeerUnavailable as exc:
+                m.skipped[peer.version] = str(exc)
+            except TimeoutError:
+                m.skipped[peer.version] = f"tinygrad {peer.version} worker ran past {WORKER_LIMIT_S:g} s"
     return build_rows(plan, m)
 
 
 async def peers_tinygrad() -> list[Result]:
-    """Pipeline, serving and launch latency: aruntime against tinygrad's device layer and a plain thread pool."""
+    """Pipeline, serving and launch latency: aruntime against tinygrad's device layer (two releases) and a plain
+    thread pool."""
     return await side_by_side(settings.quick, with_tinygrad=os.environ.get("ARUNTIME_BENCH_PEERS", "1") != "0")
 
 

@@ -10,7 +10,9 @@ import pickle
 import queue
 import sqlite3
 import stat
+import subprocess
 import sys
+import textwrap
 import threading
 import time
 import warnings
@@ -20,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from aruntime import cc
 from aruntime.compile_cache import CACHE_VERSION, cache_close, cache_get, cache_path, cache_put
 from aruntime.compiler import Compiler
 from aruntime.errors import CacheError, CompileError
@@ -391,3 +394,56 @@ def test_forked_child_opens_its_own_connection(db: Path) -> None:
 def _fork_child() -> None:
     assert cache_get("fork", "parent") == b"p"
     cache_put("fork", "child", b"c")
+
+
+# --- a stored binary cut short behind a valid checksum ---------------------------------------------
+
+RUN_KERNEL = """
+import array
+import anyio
+from aruntime import Device, dtypes
+
+async def main():
+    dev = Device["CPU"]
+    prog = await dev.compile("#include <stdint.h>\\nvoid kernel(int32_t *out) { out[0] = 5151; }\\n", outs=(0,))
+    out = await dev.allocate(1, dtypes.int32)
+    await dev.launch(prog, out)
+    print(array.array("i", bytes(await dev.copyout(out)))[0])
+
+anyio.run(main)
+"""
+
+
+def _stored_kernels(db: Path) -> list[tuple[str, str, bytes]]:
+    """(table, key, binary) of every CPU kernel in the cache; ``table`` as :func:`cache_put` names it."""
+    cache_close()
+    suffix = f"_v{CACHE_VERSION}"
+    found = []
+    with sqlite3.connect(db) as con:
+        for table in _tables(db):
+            if table.startswith("CPU_") and not table.startswith("CPU_compiler_versions"):
+                for key, value in con.execute(f'SELECT key, value FROM "{table}"'):
+                    found.append((table.removesuffix(suffix), key, value[32:]))  # the binary behind its checksum
+    return found
+
+
+@pytest.mark.skipif(cc.compiler_path() is None, reason="no C compiler")
+def test_a_truncated_kernel_binary_with_a_valid_checksum_is_rebuilt_in_a_new_process(db: Path) -> None:
+    env = {**os.environ, "ARUNTIME_CACHEDB": str(db)}
+
+    def run() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(  # a fresh process each time: a truncated binary loaded there is a SIGBUS
+            [sys.executable, "-c", textwrap.dedent(RUN_KERNEL)], env=env, capture_output=True, text=True, timeout=120
+        )
+
+    first = run()
+    assert first.returncode == 0 and first.stdout.split() == ["5151"], first.stderr
+    [(table, key, good)] = _stored_kernels(db)
+    cache_put(table, key, good[: len(good) // 2])  # cut short, stored behind a checksum of what is left
+    cache_close()
+    second = run()
+    assert second.returncode == 0, f"exit {second.returncode}: {second.stderr}"
+    assert second.stdout.split() == ["5151"]
+    assert f"the binary stored for source sha256 {key}" in second.stderr
+    assert "a damaged shared library" in second.stderr and "dropped it and compiling again" in second.stderr
+    assert _stored_kernels(db) == [(table, key, good)]  # rebuilt and stored whole again

@@ -6,9 +6,11 @@ import array
 import os
 import pickle
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -124,7 +126,7 @@ def test_a_huge_allocation_is_an_allocation_error(tmp_path: Path) -> None:
     path = tmp_path / "huge.bin"
     path.write_bytes(b"keep")
     buf = Buffer(disk(path), 1 << 62)
-    with pytest.raises(AllocationError, match=f"cannot (grow|map) .*huge.bin.* {1 << 62} bytes"):
+    with pytest.raises(AllocationError, match=f"cannot reserve and map {1 << 62} bytes of .*huge.bin"):
         buf.allocate()
     assert not buf.is_allocated() and path.read_bytes() == b"keep"
 
@@ -227,3 +229,79 @@ def test_processes_share_the_file(tmp_path: Path) -> None:
     assert proc.stdout.split() == ["from", "parent", "0"]
     assert bytes(parent.as_buffer()) == b"from child!"  # the parent's mapping sees the child's write
     parent.deallocate()
+
+
+# ---- a file system without room ------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs mounted for the test; skipped where mounting is not allowed."""
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command to make a small file system with")
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a 1 MiB tmpfs here: {proc.stderr.strip() or f'mount exited {proc.returncode}'}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=True)
+
+
+def test_a_file_system_without_room_is_an_allocation_error(small_fs: Path) -> None:
+    (small_fs / "filler").write_bytes(bytes(768 << 10))
+    path = small_fs / "data.bin"
+    dev = DiskDevice(disk(path))  # a private instance: the file system goes with the test
+    where = re.escape(f"cannot reserve and map {512 << 10} bytes of '{path}': No space left on device")
+    with pytest.raises(AllocationError, match=where):
+        dev.allocator.alloc(512 << 10)
+    assert path.stat().st_size == 0 and dev.allocator._maps == {}  # no grown file, no mapping left behind
+    os.truncate(path, 512 << 10)  # a sparse file: its size is there, its blocks are not
+    with pytest.raises(AllocationError, match=where):
+        dev.allocator.alloc(512 << 10)
+    assert path.stat().st_size == 512 << 10 and dev.allocator._maps == {}
+    handle = dev.allocator.alloc(128 << 10)  # what fits is reserved: writing all of it is safe
+    dev.allocator._copyin(handle, memoryview(b"\xff" * (128 << 10)))
+    dev.allocator.free(handle, 128 << 10)
+    dev.allocator.close()
+
+
+FILL_A_SMALL_DISK = """
+import sys
+import anyio
+from aruntime import AllocationError, Device
+
+async def main(path):
+    dev = Device["DISK:" + path]
+    try:
+        big = await dev.allocate(2 << 20)
+    except AllocationError as exc:
+        print("refused:", exc)
+    else:
+        await dev.copyin(big, b"\\xff" * (2 << 20))  # pages the file system cannot back
+        print("copied")
+    small = await dev.allocate(64 << 10)
+    await dev.copyin(small, b"\\x01" * (64 << 10))
+    print("ok", bytes(await dev.copyout(small)).count(1))
+
+anyio.run(main, sys.argv[1])
+"""
+
+
+def test_copying_into_a_disk_without_room_fails_and_the_process_lives(small_fs: Path) -> None:
+    path = small_fs / "data.bin"
+    proc = subprocess.run(  # a child process: a write the file system cannot back is a SIGBUS
+        [sys.executable, "-c", textwrap.dedent(FILL_A_SMALL_DISK), str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr}"
+    refused, ok = proc.stdout.splitlines()
+    assert refused.startswith(f"refused: DISK:{path}: cannot reserve and map {2 << 20} bytes of '{path}'")
+    assert "No space left on device" in refused
+    assert ok == f"ok {64 << 10}"

@@ -218,7 +218,7 @@ def test_the_engine_can_be_forced_and_is_reported() -> None:
     assert "python engine" in out
     env["ARUNTIME_ENGINE"] = "fast"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert proc.returncode != 0 and "ARUNTIME_ENGINE='fast'" in proc.stderr
+    assert proc.returncode != 0 and "ValueError: environment variable ARUNTIME_ENGINE='fast'" in proc.stderr
 
 
 @pytest.mark.anyio

@@ -1,4 +1,4 @@
-"""Pinning host memory for engine threads: zero-copy, held while referenced, clear errors."""
+"""Pinning host memory for engine threads: zero-copy, held while referenced, clear errors, no pointers."""
 
 from __future__ import annotations
 
@@ -6,10 +6,15 @@ import array
 import ctypes
 import gc
 import mmap
+import os
+import subprocess
+import sys
+import textwrap
+from typing import Any
 
 import pytest
 
-from aruntime import BufferUsageError
+from aruntime import Buffer, BufferUsageError, Device, dtypes
 from aruntime.helpers import pin
 
 
@@ -92,3 +97,92 @@ def test_pin_errors_name_what_is_wrong() -> None:
     released.release()
     with pytest.raises(BufferUsageError, match="memoryview"):
         pin(released)
+
+
+# ---- memory that holds pointers ------------------------------------------------------------------
+
+
+def read_only(arr: Any) -> Any:
+    arr.flags.writeable = False
+    return arr
+
+
+POINTERS = {
+    "object": lambda np: np.array([object(), None, 3]),
+    "read-only object": lambda np: read_only(np.array([object(), None, 3])),
+    "struct with an object field": lambda np: np.zeros(2, dtype=[("price", "f8"), ("note", "O")]),
+    "subarray of objects": lambda np: np.zeros(2, dtype="f4,(2,3)O"),
+    "ctypes void *": lambda np: (ctypes.c_void_p * 2)(),
+    "ctypes int *": lambda np: (ctypes.POINTER(ctypes.c_int) * 2)(),
+    "ctypes char *": lambda np: (ctypes.c_char_p * 2)(),
+    "ctypes py_object": lambda np: (ctypes.py_object * 2)(),
+}
+
+
+@pytest.mark.parametrize("make", POINTERS.values(), ids=POINTERS.keys())
+def test_memory_that_holds_pointers_is_refused_naming_its_format(make: Any) -> None:
+    obj = make(pytest.importorskip("numpy"))
+    with pytest.raises(BufferUsageError, match=r"with buffer format '[^']*[OP&z][^']*' holds pointers"):
+        pin(obj)
+    if not memoryview(obj).readonly:
+        with pytest.raises(BufferUsageError, match="holds pointers"):
+            pin(obj, writable=True)
+
+
+def test_plain_data_whose_format_spells_pointer_letters_is_accepted() -> None:
+    np = pytest.importorskip("numpy")
+    plain = (
+        np.zeros(2, "c16"),  # 'Zd': a complex number, not a wchar_t *
+        np.zeros(2, dtype=[("Price", "f8"), ("P", "i4"), ("O", "u1")]),  # field names are not codes
+        np.zeros(3, "U2"),
+    )
+    for arr in plain:
+        _, _, nbytes = pin(arr, writable=True)
+        assert nbytes == arr.nbytes
+
+
+def test_copyin_from_an_object_array_is_refused_before_anything_is_copied() -> None:
+    np = pytest.importorskip("numpy")
+    dev = Device["CPU"]
+    buf = Buffer("CPU", 3, dtypes.int64, initial_value=bytes(24))
+    with pytest.raises(BufferUsageError, match="ndarray with buffer format 'O' holds pointers"):
+        dev.copyin(buf, np.array([object(), object(), object()]))
+    assert bytes(buf.as_buffer()) == bytes(24)  # no object address reached device memory
+    buf.deallocate()
+
+
+COPYOUT_INTO_OBJECTS = """
+import anyio
+import numpy as np
+from aruntime import BufferUsageError, Device, dtypes
+
+async def main():
+    dev = Device["CPU"]
+    buf = await dev.allocate(3, dtypes.int64)
+    await dev.copyin(buf, np.array([16, 32, 48], dtype=np.int64))  # no object lives at these addresses
+    into = np.array([object(), object(), object()])
+    try:
+        await dev.copyout(buf, into=into)
+    except BufferUsageError as exc:
+        print(exc)
+    print(repr(into[0])[:7])  # reads the slot: an address written there is a crash
+
+anyio.run(main)
+"""
+
+
+def test_copyout_into_an_object_array_is_refused() -> None:
+    pytest.importorskip("numpy")
+    proc = subprocess.run(  # a child process: writing device bytes over object pointers would crash the tests
+        [sys.executable, "-c", textwrap.dedent(COPYOUT_INTO_OBJECTS)],
+        env=os.environ,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr}"
+    assert proc.stdout.splitlines() == [
+        "copyout into: ndarray with buffer format 'O' holds pointers (Python objects or addresses), which cannot "
+        "be copied to or from a device; convert it to plain numbers first",
+        "<object",
+    ]

@@ -1,11 +1,12 @@
 """The DISK device (``DISK:/path/to/file``): buffers are memory-mapped bytes of one file.
 
 A buffer of ``n`` bytes on ``DISK:/f`` *is* the first ``n`` bytes of ``/f``: allocating it
-maps that region of the file (growing the file with ``ftruncate`` when it is shorter, never
-shrinking it), and whatever the file held is the buffer's contents. Views reach the rest of the
-file at byte offsets, so ``Buffer("DISK:/f", size).view(n, dtype, offset)`` reads a tensor stored
-at ``offset``. Two root buffers on the same file therefore share bytes, just as two opens of the
-file would.
+reserves the file system's blocks for that region (``posix_fallocate``, which grows a shorter file
+with zeros and never shrinks it; a file system without room is an :class:`AllocationError` then,
+not a crash at the first write) and maps it, and whatever the file held is the buffer's contents.
+Views reach the rest of the file at byte offsets, so ``Buffer("DISK:/f", size).view(n, dtype,
+offset)`` reads a tensor stored at ``offset``. Two root buffers on the same file therefore share
+bytes, just as two opens of the file would.
 
 A handle is the host address of the mapping, so :data:`ctypes.memmove` copies between DISK and
 any host-memory device (CPU) in both directions. The device is file-backed: it may be opened in
@@ -14,7 +15,9 @@ any process, and its bytes are not counted in the allocator's ``in_use``. It run
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import mmap
 import os
 import threading
@@ -26,6 +29,26 @@ from aruntime.device import BaseDevice, Program, Window
 from aruntime.dtype import DType
 from aruntime.engine import Op
 from aruntime.errors import AllocationError, DeviceError
+
+
+def _reserve(fd: int, size: int, length: int) -> None:
+    """Have the file system back the first ``size`` bytes of the file ``fd`` (now ``length`` bytes long) with
+    blocks, growing it with zeros.
+
+    Without that, writing through a mapping into a part of a sparse file the file system has no room for kills
+    the process (SIGBUS). A size beyond the file system's free blocks is refused before asking, as C libraries
+    that emulate ``posix_fallocate`` write one byte per block. Where the platform has no ``posix_fallocate``
+    the file is only grown (sparse).
+    """
+    grow = size - length
+    if not hasattr(os, "posix_fallocate"):
+        if grow > 0:
+            os.ftruncate(fd, size)
+        return
+    fs = os.fstatvfs(fd)
+    if grow > fs.f_bfree * fs.f_frsize:
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({fs.f_bfree * fs.f_frsize} bytes free)")
+    os.posix_fallocate(fd, 0, size)
 
 
 class DiskAllocator(HostAddressed, Allocator[int]):
@@ -59,17 +82,18 @@ class DiskAllocator(HostAddressed, Allocator[int]):
             raise DeviceError(f"{self.device}: DISK buffers are bytes of the file; external_ptr is not supported")
         with self._lock:
             fd = self._open()
+            before = os.fstat(fd).st_size
             try:
-                if os.fstat(fd).st_size < size:
-                    os.ftruncate(fd, size)
-            except (OSError, OverflowError) as exc:
-                reason = getattr(exc, "strerror", None) or exc
-                raise AllocationError(f"{self.device}: cannot grow {self.path!r} to {size} bytes: {reason}") from exc
-            try:
+                _reserve(fd, size, before)
                 mapping = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)
             except (OSError, OverflowError, ValueError) as exc:
+                with contextlib.suppress(OSError):  # a reservation that failed part way: the file as it was
+                    if os.fstat(fd).st_size > before:
+                        os.ftruncate(fd, before)
                 reason = getattr(exc, "strerror", None) or exc
-                raise AllocationError(f"{self.device}: cannot map {size} bytes of {self.path!r}: {reason}") from exc
+                raise AllocationError(
+                    f"{self.device}: cannot reserve and map {size} bytes of {self.path!r}: {reason}"
+                ) from exc
             return self._maps.add(mapping)
 
     def _free(self, handle: int, size: int, spec: BufferSpec) -> None:

@@ -15,15 +15,20 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import time
+from array import array
 from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 from aruntime.engine.signal import TimelineSignal, wait_registered
 from aruntime.errors import DependencyError, DeviceError, OpError, SignalTimeout
 from aruntime.events import RangeLog, op_ids, recorder
+from aruntime.helpers import checkpoint
 
 HELD = 1 << 62
 """The ``value`` of an op that is held: bound for an engine, not yet handed to it."""
+ABANDONED = 1 << 63
+"""What the cell of an op pending in the native core reads once the core found its engine stopped."""
 _later_lock = threading.Lock()
 _log = logging.getLogger("aruntime")
 
@@ -71,11 +76,17 @@ class Op:
 
     ``await op`` (or ``op.wait()`` from a thread) returns the op's result once
     the engine has run it, or raises the error it failed with. Cancelling the
-    awaiting task stops only the waiting: the op still runs.
+    awaiting task stops only the waiting: the op still runs. Awaiting is a
+    checkpoint even when the op is done (it checks for cancellation and lets
+    other tasks run); an awaiter cancelled there has not observed the op's
+    failure, which ``synchronize()`` or the scheduler's exit then raises.
 
     An op may be *held*: bound for an engine but not yet handed to it, until
     the ops it depends on allow it (see :meth:`BaseDevice.copyin`'s ``hold``).
-    Its ``value`` is then :data:`HELD`.
+    Its ``value`` is then :data:`HELD`. A held op is *pending in the native core*
+    when it has a ``cell``: the core hands it to its queue itself, from the
+    thread that meets its last dependency, and writes its value there; Python
+    takes that value when it next looks at the op (:meth:`_resolve`).
 
     What an engine uses: ``cmds`` (the commands to run, until done), ``deps``
     (ops it is ordered after), ``inputs`` (ops whose output it consumes; see
@@ -84,6 +95,7 @@ class Op:
     """
 
     __slots__ = (
+        "cell",
         "cmds",
         "deps",
         "engine",
@@ -94,6 +106,7 @@ class Op:
         "later",
         "name",
         "observed",
+        "pend",
         "result",
         "value",
     )
@@ -110,6 +123,8 @@ class Op:
         self.cmds: list[Command] | None = None  # held from submission until the op has run
         self.value = 0
         self.later: list[tuple[bool, Callable[[], None], object]] | None = None  # held: (on_dispatch, callback, where)
+        self.cell: array[int] | None = None  # pending in the native core: where it writes the op's value
+        self.pend = 0  # pending in the native core: its record there
         self.id = next(op_ids)
 
     def __repr__(self) -> str:
@@ -119,7 +134,28 @@ class Op:
     @property
     def dispatched(self) -> bool:
         """Whether the op has been handed to its engine (it is not held)."""
-        return self.engine is not None and self.value != HELD
+        return self.engine is not None and (self.value != HELD or (self.cell is not None and self._resolve()))
+
+    def _resolve(self) -> bool:
+        """For an op pending in the native core: whether the core has handed it to its queue; if so, take its
+        value (or abandon it, if its engine had stopped) and run what waited for its dispatch."""
+        assert self.cell is not None and self.engine is not None
+        value = self.cell[0]
+        if not value:
+            return False
+        engine = self.engine
+        if value == ABANDONED:
+            if self.value == HELD:
+                self.abandon(engine, DeviceError(f"{self.name}: {engine.signal.name} is closed"))
+            return True
+        with _later_lock:
+            if self.value != HELD:  # another thread took it
+                return True
+            self.value = value
+            later, self.later = self.later, None
+        engine.held.discard(self)
+        _run_later(engine, self, later or [])
+        return True
 
     def hold(self, engine: Engine) -> None:
         """Bind the op to ``engine`` without handing it over yet (see :meth:`Engine.push`)."""
@@ -143,6 +179,13 @@ class Op:
 
     def _when(self, on_dispatch: bool, callback: Callable[[], None]) -> None:
         signal = self._submitted().signal
+        if self.value == HELD and self.cell is not None and not self._resolve():
+            # the core hands it on before the last of its dependencies is seen done: follow them
+            front = self._frontier()
+            if front is not None:
+                front.when_done(lambda: self._when(on_dispatch, callback))
+                return
+            self._handed_on()
         if self.value == HELD:
             with _later_lock:
                 if self.value == HELD:
@@ -154,6 +197,33 @@ class Op:
         else:
             signal.on_reach(self.value, callback)
 
+    def _frontier(self) -> Op | None:
+        """For an op pending in the native core: an op it waits for, directly or through other pending ops, that
+        has been handed to its queue and is not done (the core moves on once it is); None if there is none."""
+        todo, seen = [self], {id(self)}
+        while todo:
+            op = todo.pop()
+            if op.value != HELD or (op.cell is not None and op._resolve()):
+                if op is not self and not op.done():
+                    return op
+                continue
+            for dep in op.deps:
+                if id(dep) not in seen:
+                    seen.add(id(dep))
+                    todo.append(dep)
+        return None
+
+    def _handed_on(self) -> None:
+        """Once nothing this op waits for is left unfinished, the core has handed it on, or is doing so on the
+        thread that met its last dependency: take its value (waiting at most the queue's timeout for it)."""
+        engine = self._submitted()
+        deadline = time.monotonic() + engine.signal.timeout
+        while not self._resolve():
+            if time.monotonic() > deadline:
+                self.abandon(engine, DeviceError(f"{self.name}: not handed to its queue by the native core"))
+                return
+            time.sleep(0)
+
     def when_done(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` once the op is done (now if it is): where its signal's ``on_reach`` runs callbacks
         registered by the calling thread."""
@@ -164,12 +234,13 @@ class Op:
         self._when(True, callback)
 
     async def settled(self) -> None:
-        """Wait until the op is done, whatever its outcome (cancelling the wait leaves the op alone)."""
+        """Wait until the op is done, whatever its outcome (cancelling the wait leaves the op alone); a
+        checkpoint even when it is done."""
         engine = self._submitted()
         if self.value == HELD:
             limit = engine.signal.timeout
             await wait_registered(self.when_done, limit, lambda: self._held_timeout(limit))
-        elif engine.signal.value < self.value:
+        else:
             await engine.signal.wait_async(self.value)
 
     def _held_timeout(self, limit: float) -> SignalTimeout:
@@ -184,7 +255,11 @@ class Op:
         here, so that a done op's ``error`` is never read before it is known.
         """
         engine = self.engine
-        if engine is None or engine.signal.value < self.value:
+        if engine is None:
+            return False
+        if self.value == HELD and (self.cell is None or not self._resolve()):
+            return False
+        if engine.signal.value < self.value:
             return False
         if self.cmds is not None or engine.failures[0] != engine.failures_seen:
             engine.retire()
@@ -214,6 +289,8 @@ class Op:
                 yield from self.settled().__await__()
             else:  # what settled() does, without two coroutine frames per await
                 yield from signal.wait_async(self.value).__await__()
+        else:  # done: still a checkpoint; an awaiter cancelled here leaves a failure unobserved
+            yield from checkpoint()
         return self._outcome()
 
     def wait(self, timeout: float | None = None) -> Any:
@@ -224,6 +301,18 @@ class Op:
     def wait_done(self, timeout: float | None = None) -> None:
         """Block the calling thread until the op is done, whatever its outcome."""
         signal = self._submitted().signal
+        if self.value == HELD and self.cell is not None:
+            limit = signal.timeout if timeout is None else timeout
+            deadline = time.monotonic() + limit
+            while not self._resolve():
+                front = self._frontier()
+                if front is None:
+                    self._handed_on()
+                    continue
+                try:
+                    front.wait_done(max(0.0, deadline - time.monotonic()))
+                except SignalTimeout:
+                    raise self._held_timeout(limit) from None
         if self.value != HELD:
             signal.wait(self.value, timeout)
             return
@@ -251,6 +340,12 @@ class Engine:
 
     failures: Sequence[int] = (0,)
     failures_seen = 0
+    last = 0
+    """The value of the op handed over last."""
+    assigns_values = False
+    """Whether :meth:`_enqueue` sets the op's value itself (else :meth:`push` numbers ops in order)."""
+    pends = False
+    """Whether :meth:`pend` takes ops that wait for others in the engine itself (the native engine)."""
 
     def __init__(self, device: str, kind: str, timeout: float) -> None:
         self.device = device
@@ -258,7 +353,6 @@ class Engine:
         self.is_copy = kind == "copy"
         self.signal = TimelineSignal(f"{device} {kind} queue", timeout)
         self.ranges = recorder.add_log(self._range_log())
-        self.last = 0
         self.held: set[Op] = set()  # ops bound for this engine, not yet handed to it
         self.failed: list[Op] = []
         self.closed = False
@@ -277,7 +371,8 @@ class Engine:
         """:meth:`submit` for a plain list of commands, which the engine then owns."""
         with self._lock:
             self.check_open(op.name)
-            self.last = op.value = self.last + 1
+            if not self.assigns_values:
+                self.last = op.value = self.last + 1
             op.engine = self
             op.cmds = cmds
             self._enqueue(cmds, op)
@@ -285,12 +380,13 @@ class Engine:
             self.held.discard(op)
             with _later_lock:
                 later, op.later = op.later, None
-            for on_dispatch, callback, where in later:
-                if on_dispatch:
-                    callback()
-                else:
-                    self.signal.on_reach(op.value, callback, where)
+            _run_later(self, op, later)
         return op
+
+    def pend(self, cmds: list[Command], op: Op, blockers: Sequence[tuple[bool, Op]]) -> None:
+        """Hand ``op`` to the engine once its ``blockers`` allow, each ``(on_dispatch, dependency)``: once the
+        dependency has been handed to this engine, or else once it is done; only engines that :attr:`pends`."""
+        raise NotImplementedError(f"{self.signal.name} cannot take pending ops")
 
     def _range_log(self) -> RangeLog:
         """The log this engine records its ranges in (see :mod:`aruntime.events`)."""
@@ -369,6 +465,15 @@ class Engine:
 
     def _stop(self) -> None:
         """Called once, under the engine's lock, when it closes: let whatever executes finish and end."""
+
+
+def _run_later(engine: Engine, op: Op, later: list[tuple[bool, Callable[[], None], object]]) -> None:
+    """Once ``op`` has been handed to ``engine``: run what waited for that, pass on what waits for its end."""
+    for on_dispatch, callback, where in later:
+        if on_dispatch:
+            callback()
+        else:
+            engine.signal.on_reach(op.value, callback, where)
 
 
 def check_deps(op: Op, settle: bool = True) -> None:

@@ -9,6 +9,7 @@ without the GIL, awaited through each loop's notifier) where the native core is 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -17,6 +18,7 @@ from functools import partial
 
 from aruntime.engine.wakeup import Waiter, asyncio_waker, trio_waker
 from aruntime.errors import SignalTimeout
+from aruntime.helpers import checkpoint
 
 _log = logging.getLogger("aruntime")
 
@@ -74,7 +76,8 @@ class TimelineSignal:
         raise NotImplementedError
 
     async def wait_async(self, value: int, timeout: float | None = None) -> None:
-        """Suspend the current task (asyncio or trio) until ``value`` is reached, without polling."""
+        """Suspend the current task (asyncio or trio) until ``value`` is reached, without polling; a checkpoint
+        (cancellable, letting other tasks run) even when it already is."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -150,48 +153,82 @@ class PySignal(TimelineSignal):
                 self._blocked -= 1
 
     async def wait_async(self, value: int, timeout: float | None = None) -> None:
-        """Suspend the current task (asyncio or trio) until ``value`` is reached, without polling."""
+        """Suspend the current task (asyncio or trio) until ``value`` is reached, without polling; a wait that
+        is cancelled or times out takes its callback back. A checkpoint even when ``value`` is reached."""
         if self.value >= value:
+            await checkpoint()
             return
         limit = self.timeout if timeout is None else timeout
-        await wait_registered(partial(self.on_reach, value), limit, partial(self._timeout_error, value, limit))
+        await wait_registered(
+            partial(self.on_reach, value), limit, partial(self._timeout_error, value, limit), partial(self._drop, value)
+        )
+
+    def _drop(self, value: int, callback: Callable[[], None]) -> None:
+        """Take back ``callback``, registered for ``value``, if it has not run."""
+        with self._lock:
+            group = self._callbacks.get(value)
+            if group is None:  # it ran
+                return
+            with contextlib.suppress(ValueError):  # it ran, and others were registered for the value since
+                group.remove(callback)
+            if not group:
+                del self._callbacks[value]
 
 
 async def wait_registered(
-    register: Callable[[Callable[[], None]], None], limit: float, error: Callable[[], BaseException]
+    register: Callable[[Callable[[], None]], None],
+    limit: float,
+    error: Callable[[], BaseException],
+    unregister: Callable[[Callable[[], None]], None] | None = None,
 ) -> None:
     """Suspend the current task until the callback given to ``register`` is called (from any thread).
 
     Raises ``error()`` after ``limit`` seconds. The loop is woken once per batch
     of such callbacks (see :mod:`aruntime.engine.wakeup`); asyncio and trio alike.
+    If the wait is cancelled or times out first, the callback is given to ``unregister``.
     """
     loop = asyncio._get_running_loop()
     if loop is None:
-        await _wait_trio(register, limit, error)
+        await _wait_trio(register, limit, error, unregister)
         return
     fut: asyncio.Future[None] = loop.create_future()
     waiter = Waiter(fut, loop.time() + limit, error)
     waker = asyncio_waker(loop)
-    register(partial(waker.post, waiter))
+    callback = partial(waker.post, waiter)
+    register(callback)
     waker.track(waiter)
+    woken = False
     try:
         await fut
+        woken = True
     finally:
         waiter.task = None  # woken, timed out or cancelled: the waker has nothing left to do
+        if not woken and unregister is not None:
+            unregister(callback)
 
 
 async def _wait_trio(
-    register: Callable[[Callable[[], None]], None], limit: float, error: Callable[[], BaseException]
+    register: Callable[[Callable[[], None]], None],
+    limit: float,
+    error: Callable[[], BaseException],
+    unregister: Callable[[Callable[[], None]], None] | None,
 ) -> None:
     import trio
 
     waiter = Waiter(trio.lowlevel.current_task(), trio.current_time() + limit, error)
     waker = trio_waker()
-    register(partial(waker.post, waiter))
+    callback = partial(waker.post, waiter)
+    register(callback)
     waker.track(waiter)
 
     def abort(_: object) -> trio.lowlevel.Abort:
         waiter.task = None
         return trio.lowlevel.Abort.SUCCEEDED
 
-    await trio.lowlevel.wait_task_rescheduled(abort)
+    woken = False
+    try:
+        await trio.lowlevel.wait_task_rescheduled(abort)
+        woken = True
+    finally:
+        if not woken and unregister is not None:
+            unregister(callback)

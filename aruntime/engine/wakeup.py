@@ -164,7 +164,7 @@ class AsyncioWaker(Waker):
         loop.call_soon_threadsafe(fn)
 
     def _start_notified(self) -> Notified:
-        from aruntime.engine.native.notify import Notified
+        from aruntime.engine.native.notify import Notified, close_later
 
         loop = self._loop()
         if loop is None:
@@ -177,7 +177,7 @@ class AsyncioWaker(Waker):
 
         notified = Notified(self._resume_waiter, alive)
         loop.add_reader(notified.fd, notified.drain)
-        weakref.finalize(loop, notified.close)
+        weakref.finalize(loop, close_later, notified)  # a finalizer: closed on the callback thread
         return notified
 
     def _resume(self, fut: asyncio.Future[None], error: BaseException | None) -> None:

@@ -37,7 +37,7 @@ from aruntime.events import (
     now_us,
     recorder,
 )
-from aruntime.helpers import getenv
+from aruntime.helpers import checkpoint, getenv
 from aruntime.profile.trace import build_trace, load_trace, save_events, write_trace
 
 if TYPE_CHECKING:
@@ -250,6 +250,7 @@ class Profile:
             self._end(device_events)
 
     async def __aenter__(self) -> Profile:
+        await checkpoint()
         self._begin()
         return self
 
@@ -258,8 +259,11 @@ class Profile:
     ) -> None:
         import anyio
 
-        # waiting for the devices blocks: do it on a worker thread, never on the event loop
-        await anyio.to_thread.run_sync(self.__exit__, exc_type, exc, tb)
+        # waiting for the devices blocks: do it on a worker thread, never on the event loop; shielded (the wait is
+        # bounded), so that a cancelled task still ends the region, and a checkpoint after it
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self.__exit__, exc_type, exc, tb)
+        await checkpoint()
 
     # results
 
@@ -290,9 +294,11 @@ def profile(sync: bool = True, timeout: float | None = None) -> Profile:
     blocking the event loop; the plain ``with`` form blocks the calling thread
     (``timeout`` bounds each wait). Waiting never takes a device's failed ops:
     ``synchronize`` still raises them. If the block raises, the region still
-    ends and keeps its events. Regions nest; when nobody else records, leaving
-    the outermost one turns recording off and drops its records from the
-    global recorder.
+    ends and keeps its events; so does a cancelled ``async with`` (its exit
+    still waits, each wait bounded, then raises the cancellation). Entering
+    and leaving the ``async with`` form are checkpoints. Regions nest; when
+    nobody else records, leaving the outermost one turns recording off and
+    drops its records from the global recorder.
     """
     return Profile(sync, timeout)
 

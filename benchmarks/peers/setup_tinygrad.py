@@ -1,15 +1,17 @@
-"""Build the separate virtual environment that the tinygrad side of the peer benchmark runs in.
+"""Build the separate virtual environments that the tinygrad side of the peer benchmark runs in.
 
-tinygrad is pinned (``TINYGRAD_VERSION``) and installed from PyPI into
-``benchmarks/peers/.venv-tinygrad`` (gitignored), never into the project's own
-environment. Its CPU backend compiles kernels with clang (``ClangJITCompiler``:
-``clang -c -x c --target=<arch>-none-unknown-elf -ffreestanding -nostdlib ...``,
-then tinygrad's own ELF loader), so clang must be on ``PATH``.
+Each pinned tinygrad release (``RELEASES``) is installed from PyPI into its own
+environment under ``benchmarks/peers/`` (``.venv-tinygrad`` for 0.13.0,
+``.venv-tinygrad-0.10.1`` for 0.10.1; both gitignored), never into the
+project's own environment. Both CPU backends compile kernels with clang
+(0.13.0's ``ClangJITCompiler`` and 0.10.1's: ``clang -c -x c
+--target=<arch>-none-unknown-elf -ffreestanding -nostdlib ...``, then
+tinygrad's own ELF loader), so clang must be on ``PATH``.
 
-Every step is idempotent: an existing environment with the pinned version is
-reused as is. Run ``python -m benchmarks.peers.setup_tinygrad`` to build it by
-hand (``--install-clang`` also installs Debian's clang with apt-get when it is
-missing and this process is root).
+Every step is idempotent: an existing environment with its pinned version is
+reused as is. Run ``python -m benchmarks.peers.setup_tinygrad`` to build them by
+hand (``--version`` picks one; ``--install-clang`` also installs Debian's clang
+with apt-get when it is missing and this process is root).
 """
 
 from __future__ import annotations
@@ -19,27 +21,48 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-TINYGRAD_VERSION = "0.13.0"
-"""The pinned tinygrad release (the newest whose CPU device still loads raw C source through
-``Device["CPU"].compiler.compile`` and ``Device["CPU"].runtime(name, lib)``; 0.14.0 replaced
-that with ``TinyELF`` objects built from tinygrad's own IR)."""
-
-MIN_PYTHON = (3, 11)
-"""tinygrad 0.13.0 declares ``Requires-Python >=3.11``."""
-
 HERE = Path(__file__).resolve().parent
-VENV = HERE / ".venv-tinygrad"
 WORKER = HERE / "tinygrad_worker.py"
+
+
+@dataclass(frozen=True)
+class Release:
+    """One pinned tinygrad release and the virtual environment it is installed in."""
+
+    version: str
+    venv: Path
+    min_python: tuple[int, int]
+    """The release's ``Requires-Python``."""
+
+
+TINYGRAD_VERSION = "0.13.0"
+"""The newest tinygrad release whose CPU device still loads raw C source through
+``Device["CPU"].compiler.compile`` and ``Device["CPU"].runtime(name, lib)`` (0.14.0 replaced
+that with ``TinyELF`` objects built from tinygrad's own IR); it runs programs on a worker thread per device."""
+
+TINYGRAD_CLANG_VERSION = "0.10.1"
+"""The tinygrad release whose CPU device is ``CLANG``: ``Device["CLANG"].compiler.compile(src)`` builds raw C
+source, and the program that ``Device["CLANG"].runtime(name, lib)`` loads runs on the caller's thread."""
+
+RELEASES = {
+    r.version: r
+    for r in (
+        Release(TINYGRAD_VERSION, HERE / ".venv-tinygrad", (3, 11)),
+        Release(TINYGRAD_CLANG_VERSION, HERE / ".venv-tinygrad-0.10.1", (3, 10)),
+    )
+}
+"""Every pinned release, by version."""
 
 
 class PeerUnavailable(RuntimeError):
     """The tinygrad side cannot run here; the message says exactly why and how to fix it."""
 
 
-def venv_python(venv: Path = VENV) -> Path:
-    """The interpreter of the tinygrad virtual environment (it may not exist yet)."""
+def venv_python(venv: Path) -> Path:
+    """The interpreter of a tinygrad virtual environment (it may not exist yet)."""
     return venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 
 
@@ -47,7 +70,7 @@ def _tail(text: str, lines: int = 12) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
-def installed_version(venv: Path = VENV) -> str | None:
+def installed_version(venv: Path) -> str | None:
     """The tinygrad version installed in ``venv``, or None when there is none (or no venv)."""
     python = venv_python(venv)
     if not python.exists():
@@ -60,30 +83,34 @@ def installed_version(venv: Path = VENV) -> str | None:
     return (proc.stdout.strip() or None) if proc.returncode == 0 else None
 
 
-def base_python() -> str:
-    """An interpreter new enough for tinygrad: this one, else the newest ``python3.1x`` on PATH."""
-    if sys.version_info >= MIN_PYTHON:
+def base_python(release: Release) -> str:
+    """An interpreter new enough for ``release``: this one, else the newest ``python3.1x`` on PATH."""
+    if sys.version_info >= release.min_python:
         return sys.executable
-    for minor in range(20, MIN_PYTHON[1] - 1, -1):
+    for minor in range(20, release.min_python[1] - 1, -1):
         found = shutil.which(f"python3.{minor}")
         if found:
             return found
-    need = ".".join(map(str, MIN_PYTHON))
+    need = ".".join(map(str, release.min_python))
     here = sys.version.split()[0]
-    raise PeerUnavailable(f"tinygrad {TINYGRAD_VERSION} needs Python >= {need}; none found (this is {here})")
+    raise PeerUnavailable(f"tinygrad {release.version} needs Python >= {need}; none found (this is {here})")
 
 
-def ensure_venv(venv: Path = VENV, version: str = TINYGRAD_VERSION) -> Path:
-    """Create ``venv`` with tinygrad ``version`` unless it already has it; return its interpreter.
+def ensure_venv(version: str = TINYGRAD_VERSION) -> Path:
+    """Create the environment of the pinned release ``version`` unless it already has it; return its interpreter.
 
     Raises :class:`PeerUnavailable` with pip's own message when the install fails
     (for example when PyPI cannot be reached).
     """
+    release = RELEASES[version]
+    venv = release.venv
     if installed_version(venv) == version:
         return venv_python(venv)
     python = venv_python(venv)
     if not python.exists():
-        made = subprocess.run([base_python(), "-m", "venv", "--clear", str(venv)], capture_output=True, text=True)
+        made = subprocess.run(
+            [base_python(release), "-m", "venv", "--clear", str(venv)], capture_output=True, text=True
+        )
         if made.returncode != 0:
             raise PeerUnavailable(f"could not create {venv}: {_tail(made.stderr or made.stdout)}")
     pip = subprocess.run(
@@ -135,24 +162,34 @@ def ensure_clang(install: bool = False) -> str:
     return found
 
 
-def ensure(install_clang: bool = False) -> Path:
-    """Both prerequisites of the tinygrad worker; returns the venv's interpreter."""
+def ensure(version: str = TINYGRAD_VERSION, install_clang: bool = False) -> Path:
+    """Both prerequisites of the tinygrad worker on release ``version``; returns its venv's interpreter."""
     ensure_clang(install_clang)
-    return ensure_venv()
+    return ensure_venv(version)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--install-clang", action="store_true", help="apt-get install clang when it is missing")
+    parser.add_argument(
+        "--version", action="append", choices=sorted(RELEASES), help="build only this release (repeatable)"
+    )
     args = parser.parse_args(argv)
+    failed = False
     try:
         clang = ensure_clang(args.install_clang)
-        python = ensure_venv()
     except PeerUnavailable as exc:
-        print(f"tinygrad peer unavailable: {exc}", file=sys.stderr)
+        print(f"tinygrad peers unavailable: {exc}", file=sys.stderr)
         return 1
-    print(f"tinygrad {TINYGRAD_VERSION} in {python}; clang at {clang}")
-    return 0
+    for version in args.version or RELEASES:
+        try:
+            python = ensure_venv(version)
+        except PeerUnavailable as exc:
+            print(f"tinygrad {version} unavailable: {exc}", file=sys.stderr)
+            failed = True
+        else:
+            print(f"tinygrad {version} in {python}; clang at {clang}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -92,3 +94,35 @@ def test_work_that_cannot_finish_is_named_at_exit_and_the_process_still_ends(tmp
     failed = "1 op(s) on CPU failed and nobody awaited them; the first: transfer 4 B CPU->DISK:" in proc.stderr
     assert failed or "CPU copy queue: 1 op(s) submitted and 0 held" in proc.stderr, proc.stderr
     assert proc.elapsed < 30  # type: ignore[attr-defined]  # bounded by the timeout, not the kernel
+
+
+def test_ctrl_c_stops_the_wait_at_exit_which_says_what_it_waits_for(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STUCK, str(tmp_path / "stuck.bin")],
+        env={**os.environ, "ARUNTIME_WAIT_TIMEOUT": "600"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    watchdog = threading.Timer(60, proc.kill)  # a wait that never says what it waits for fails, not hangs
+    watchdog.start()
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        assert proc.stdout.readline().strip() == "submitted"
+        notice = ""
+        while "aruntime at exit: waiting" not in notice:  # after a moment in the exit's wait
+            line = proc.stderr.readline()
+            assert line, "the process ended, or was killed, without saying what the exit waits for"
+            notice += line
+        assert "waiting up to 600 s for the work in flight on CPU: CPU compute queue: 1 op(s) submitted" in notice
+        proc.send_signal(signal.SIGINT)
+        interrupted = time.monotonic()
+        _, rest = proc.communicate(timeout=30)
+        elapsed = time.monotonic() - interrupted
+    finally:
+        watchdog.cancel()
+        proc.kill()
+    assert proc.returncode == 0, rest
+    assert "work in flight on CPU did not finish and is dropped: CPU compute queue: 1 op(s) submitted" in rest
+    assert "(interrupted by Ctrl-C)" in rest
+    assert elapsed < 5, f"the process took {elapsed:.1f} s to end after Ctrl-C"

@@ -1,10 +1,13 @@
 """A cancellation storm: many tasks doing random allocate / copy-in / launch / transfer / copy-out sequences
 across two CPU devices, directly and through a Scheduler, cancelled at random points (deadlines and whole
-task groups). Afterwards every device works, bytes in use are back at their baseline, cached bytes are
-within the cap, no task hung (a global deadline) and every result that came back is right."""
+task groups), their buffers freed or dropped in reference cycles mid-flight, with garbage collections (and the
+finalizers they run) starting every few allocations. Afterwards every device works, bytes in use are back at
+their baseline, cached bytes are within the cap, no task hung (a global deadline) and every result that came
+back is right."""
 
 from __future__ import annotations
 
+import gc
 import random
 from dataclasses import dataclass
 
@@ -68,9 +71,13 @@ async def one_task(
             assert bytes(got) == bytes((b + 1) & 0xFF for b in data)
             finished = True
     finally:
-        for b in bufs:
-            if b.is_allocated():
-                b.deallocate()  # released once its ops finish, whether or not this task was cancelled
+        if rng.random() < 0.2:  # dropped in a reference cycle: a garbage collection frees them, maybe mid-flight
+            cycle: list[object] = [*bufs]
+            cycle.append(cycle)
+        else:
+            for b in bufs:
+                if b.is_allocated():
+                    b.deallocate()  # released once its ops finish, whether or not this task was cancelled
     t.finished += finished
 
 
@@ -106,14 +113,20 @@ async def storm(tasks: int, seed: int) -> Tally:
     baseline = {dev.name: dev.allocator.in_use for dev in devs}
     rng = random.Random(seed)
     t = Tally()
-    with anyio.fail_after(max(60, tasks / 50)):  # no task may hang
-        left = tasks
-        while left:
-            size = min(left, rng.randint(1, 40))
-            await group(rng, devs, progs, size, t)
-            left -= size
-        for dev in devs:
-            await dev.settle()
+    thresholds = gc.get_threshold()
+    gc.set_threshold(50, 5, 5)  # a collection every few allocations: under whatever lock is held then
+    try:
+        with anyio.fail_after(max(60, tasks / 50)):  # no task may hang
+            left = tasks
+            while left:
+                size = min(left, rng.randint(1, 40))
+                await group(rng, devs, progs, size, t)
+                left -= size
+            for dev in devs:
+                await dev.synchronize()  # nothing failed that nobody saw (and the failed ops let go of their buffers)
+    finally:
+        gc.set_threshold(*thresholds)
+    gc.collect()  # the buffers dropped in cycles
     for dev in devs:
         stats = dev.memory_stats()
         assert stats["in_use"] == baseline[dev.name], (dev.name, stats)

@@ -33,7 +33,7 @@ from aruntime.dtype import DType, dtypes
 from aruntime.engine import COPY, EXEC, SIGNAL, WAIT, Command, Engine, Op, check_deps
 from aruntime.errors import BufferUsageError, DeviceError, OpError, SignalTimeout
 from aruntime.events import DeviceEvent, RangeEvent, now_us, recorder
-from aruntime.helpers import after_all, canonicalize
+from aruntime.helpers import after_all, canonicalize, checkpoint
 from aruntime.profile.align import Sample, estimate_offset
 
 MAX_CONCURRENCY = 10_000
@@ -450,7 +450,9 @@ class RemoteDevice(BaseDevice):
         self.compute.check_open(what)
 
     async def allocate(self, size: int, dtype: DType = dtypes.uint8, spec: BufferSpec | None = None) -> Buffer:
-        """A new buffer of ``size`` elements of ``dtype``, allocated on the remote host (waits for it there)."""
+        """A new buffer of ``size`` elements of ``dtype``, allocated on the remote host (waits for it there).
+        A checkpoint first, also when the allocator has the memory cached: a cancelled call allocates nothing."""
+        await checkpoint()
         self._refuse_if_lost("allocate")
         buf = Buffer(self.name, size, dtype, spec, preallocate=True)
         hid = buf.handle.id

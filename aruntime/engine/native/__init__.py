@@ -1,60 +1,89 @@
 """The native core: ``core.c`` built with the system C compiler into the compile cache, loaded with ctypes.
 
-The core is built at first use (about half a second), stored in the compile cache under the digest of its
-source, the compiler's identity and the flags, and loaded from there by every later process. ``ARUNTIME_ENGINE``
-chooses the engine of every queue: ``native`` (the core; an error if it cannot be built), ``python`` (the
-:class:`~aruntime.engine.thread.ThreadEngine` fallback, everything in Python), or unset: native where the core
-builds, else Python, with the reason kept in :data:`unavailable`.
+The core is built at first use (about half a second) through the cached compile of
+:class:`~aruntime.compiler.Compiler`, stored in the compile cache under the compiler's identity, the flags and
+the digest of its source, and loaded from there by every later process. A stored core that fails to load (a
+damaged or truncated binary, a stale version) is dropped and rebuilt, ``ARUNTIME_DISABLE_COMPILER_CACHE=1``
+builds it without touching the cache, and where the cache is unusable it is built without it, with a warning.
+
+``ARUNTIME_ENGINE`` chooses the engine of every queue, once per process: ``native`` (the core; an error if it
+cannot be built), ``python`` (the :class:`~aruntime.engine.thread.ThreadEngine` fallback, everything in
+Python), or unset: native where the core builds, else Python with a ``RuntimeWarning`` and the reason kept in
+:data:`unavailable`. Any other value is a ``ValueError``; a value changed after the choice is ignored, with a
+``RuntimeWarning``.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import threading
+import warnings
 from ctypes import c_int, c_int64, c_size_t, c_uint32, c_uint64, c_void_p
 from importlib import resources
 
-from aruntime.errors import DeviceError
+from aruntime import cc
+from aruntime.compiler import Compiler
+from aruntime.errors import CacheError, DeviceError
 from aruntime.helpers import getenv
 
 FLAGS = ("-O2", "-pthread", "-fPIC", "-shared")
-VERSION = 1
+VERSION = 2
 """The core's ABI version (``ar_version()``); a mismatch means a stale build."""
-_TABLE = "NATIVE_core"
 
 unavailable: str | None = None
 """Why the native engine is not in use (None while it is, or before it was first asked for)."""
 _lib: ctypes.CDLL | None = None
 _decided = False
+_chosen_by: str | None = None  # the ARUNTIME_ENGINE value the engine was chosen with
+_warned_change = False
 _lock = threading.Lock()
 
 
+def _given() -> str:
+    return getenv("ENGINE", "").strip().lower()
+
+
 def mode() -> str:
-    """``ARUNTIME_ENGINE`` as given: ``native``, ``python`` or ``""`` (choose)."""
-    value = getenv("ENGINE", "").strip().lower()
+    """``ARUNTIME_ENGINE`` as given: ``native``, ``python`` or ``""`` (choose); any other value is a
+    ``ValueError``."""
+    value = _given()
     if value not in ("", "native", "python"):
-        raise DeviceError(f"environment variable ARUNTIME_ENGINE={value!r}: expected 'native' or 'python'")
+        raise ValueError(f"environment variable ARUNTIME_ENGINE={value!r}: expected 'native' or 'python'")
     return value
 
 
-def _build() -> ctypes.CDLL:
-    from aruntime import cc
-    from aruntime.compile_cache import cache_get, cache_put
+class _CoreCompiler(Compiler):
+    """The system C compiler building the core with :data:`FLAGS`."""
 
-    src = resources.files(__package__).joinpath("core.c").read_text()
-    path = cc.compiler_path()
-    if path is None:
-        raise OSError(f"no C compiler ({cc.compiler()!r} is not on PATH; set CC)")
-    key = hashlib.sha256("\0".join((src, path, cc.compiler_version(path), *FLAGS)).encode()).hexdigest()
-    binary = cache_get(_TABLE, key)
-    if binary is None:
-        binary = cc.build(src, FLAGS)
-        cache_put(_TABLE, key, binary)
+    @property
+    def cachekey(self) -> str | None:
+        """``NATIVE_core_<hash of the compiler's path and --version output and the flags>``; None without a
+        compiler."""
+        path = cc.compiler_path()
+        return None if path is None else self.make_cachekey("NATIVE_core", path, cc.compiler_version(path), *FLAGS)
+
+    def compile(self, src: str) -> bytes:
+        return cc.build(src, FLAGS)
+
+
+def _load(binary: bytes) -> ctypes.CDLL:
+    """The core loaded from ``binary``; ``OSError`` if it does not load or is not this :data:`VERSION`."""
     lib = cc.load(binary)
     if lib.ar_version() != VERSION:
         raise OSError(f"the native core reports version {lib.ar_version()}, expected {VERSION}")
     return lib
+
+
+def _build() -> ctypes.CDLL:
+    src = resources.files(__package__).joinpath("core.c").read_text()
+    compiler = _CoreCompiler()
+    try:
+        return compiler.compile_cached(src, load=_load)
+    except CacheError as exc:
+        if getenv("ASSERT_COMPILE", 0, minimum=0, maximum=1):
+            raise
+        warnings.warn(f"the native core is built without the compile cache: {exc}", RuntimeWarning, stacklevel=5)
+        return _load(compiler.compile(src))
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -70,7 +99,11 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("ar_notifier_ack", None, [c_int]),
         ("ar_notify", None, [c_int]),
         ("ar_engine_new", p, [p, i64]),
-        ("ar_submit", c_int, None),  # (engine, records, count): no argtypes, the fastest ctypes call
+        ("ar_submit", u64, None),  # (engine, records, count): no argtypes, the fastest ctypes call
+        ("ar_pend_new", p, [p, ctypes.c_char_p, u32, p]),
+        ("ar_pend_on_sig", None, [p, p, u64]),
+        ("ar_pend_on_pend", None, [p, p, p, p, c_int]),
+        ("ar_pend_go", None, [p]),
         ("ar_take_failures", c_size_t, [p, p, c_size_t]),
         ("ar_take_ranges", c_size_t, [p, p, c_size_t]),
         ("ar_py_next", c_int, [p, ctypes.POINTER(u64), ctypes.POINTER(u32)]),
@@ -94,26 +127,47 @@ def _declare(lib: ctypes.CDLL) -> None:
         setattr(lib, name, fn)
 
 
+def _choose() -> None:
+    """Choose the engine (once, under the lock): load the core unless ``ARUNTIME_ENGINE=python``."""
+    global _lib, _decided, _chosen_by, unavailable
+    chosen = mode()
+    if chosen == "python":
+        unavailable = "ARUNTIME_ENGINE=python"
+    else:
+        try:
+            core = _build()
+            _declare(core)
+            _lib = core
+        except Exception as exc:  # no compiler, a failed build or load: the Python engine stays
+            if chosen == "native":
+                raise DeviceError(f"ARUNTIME_ENGINE=native, but the native core is unavailable: {exc}") from exc
+            unavailable = f"the native core could not be built: {exc}"
+            warnings.warn(f"aruntime runs on the Python engine: {unavailable}", RuntimeWarning, stacklevel=4)
+    _chosen_by = chosen
+    _decided = True
+
+
 def lib() -> ctypes.CDLL | None:
-    """The loaded core, or None where the Python engine is in use (see :data:`unavailable`)."""
-    global _lib, _decided, unavailable
-    if _decided:
-        return _lib
-    with _lock:
-        if not _decided:
-            chosen = mode()
-            if chosen == "python":
-                unavailable = "ARUNTIME_ENGINE=python"
-            else:
-                try:
-                    core = _build()
-                    _declare(core)
-                    _lib = core
-                except Exception as exc:  # no compiler, a failed build or load: the Python engine stays
-                    if chosen == "native":
-                        raise DeviceError(f"ARUNTIME_ENGINE=native, but the native core is unavailable: {exc}") from exc
-                    unavailable = f"the native core could not be built: {exc}"
-            _decided = True
+    """The loaded core, or None where the Python engine is in use (see :data:`unavailable`).
+
+    The first call chooses the engine; a later call that finds ``ARUNTIME_ENGINE`` changed since warns, once.
+    """
+    global _warned_change
+    if not _decided:
+        with _lock:
+            if not _decided:
+                _choose()
+    given = _given()
+    if given != _chosen_by:
+        with _lock:
+            warn, _warned_change = not _warned_change, True
+        if warn:
+            warnings.warn(
+                f"ARUNTIME_ENGINE changed to {given!r} after the {'python' if _lib is None else 'native'} engine "
+                f"was chosen with {_chosen_by!r}; the engine is chosen once per process, so the change is ignored",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     return _lib
 
 

@@ -15,6 +15,11 @@
  * set, and the op's remaining commands are skipped except its signals. "python" commands are handed to a
  * Python thread of the engine's own (ar_py_next / ar_py_done) while the worker waits: the worker never
  * runs Python and never needs the GIL.
+ *
+ * Pending ops. An op that must wait for ops of other queues is handed to the core with what it waits for
+ * (signal values, or other pending ops); the thread that meets the last of them appends it to its queue's
+ * ring (see "pending ops" below), so no Python and no event loop run between a producer's end and its
+ * consumer's start, and later independent work on the consumer's queue is never stuck behind it.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -28,10 +33,12 @@
 #include <time.h>
 #include <unistd.h>
 
-#define AR_VERSION 1
+#define AR_VERSION 2
 #define MAXN 64       /* notifiers (event loops waiting at once) */
 #define CHUNK 256     /* command records per queue chunk */
 #define NEVER UINT64_MAX
+#define ABANDONED (1ull << 63) /* the value a pending op gets when its engine had stopped */
+#define TAG (1ull << 63)       /* in a K_CHECK pair's value: the value is read from the cell at this address */
 
 enum { K_WAIT, K_SIGNAL, K_TIMESTAMP, K_COPY, K_EXEC, K_NOP, K_CHECK, K_PY, K_STOP };
 enum { F_END = 1, F_RECORD = 2 };
@@ -64,7 +71,20 @@ struct ar_sig {
   pthread_cond_t cond;
   uint64_t arm[MAXN];
   ar_sig *prev, *next; /* every live signal, to disarm a notifier that goes away */
+  _Atomic uint64_t setting;   /* the greatest value a set() has begun with (watchers fire before it is published) */
+  _Atomic uint64_t watch_min; /* the least value a pending op waits for (NEVER: none) */
+  struct watch *watches;      /* under lock */
 };
+
+typedef struct pend pend;
+typedef struct watch {
+  uint64_t v;
+  pend *p;
+  struct watch *next;
+} watch;
+
+static void watches_fire(ar_sig *s, uint64_t v);
+static void watches_drop(ar_sig *s);
 
 static ar_sig *all_sigs;
 static pthread_mutex_t sigs_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -140,6 +160,7 @@ ar_sig *ar_sig_new(uint64_t value) {
   memset(s, 0, sizeof(*s));
   atomic_store(&s->value, value);
   atomic_store(&s->armed, NEVER);
+  atomic_store(&s->watch_min, NEVER);
   for (int i = 0; i < MAXN; i++) s->arm[i] = NEVER;
   pthread_mutex_init(&s->lock, NULL);
   pthread_condattr_t attr;
@@ -162,6 +183,7 @@ void ar_sig_free(ar_sig *s) {
   else all_sigs = s->next;
   if (s->next) s->next->prev = s->prev;
   pthread_mutex_unlock(&sigs_lock);
+  watches_drop(s);
   pthread_mutex_destroy(&s->lock);
   pthread_cond_destroy(&s->cond);
   free(s);
@@ -171,6 +193,11 @@ void ar_sig_free(ar_sig *s) {
  * Returns 0, or -1 if v would not advance it. */
 int ar_sig_set(ar_sig *s, uint64_t v) {
   uint64_t old = atomic_load(&s->value);
+  if (v <= old) return -1;
+  uint64_t began = atomic_load(&s->setting);
+  while (began < v && !atomic_compare_exchange_weak(&s->setting, &began, v)) {
+  }
+  if (atomic_load(&s->watch_min) <= v) watches_fire(s, v); /* before the value is published: see pend */
   do {
     if (v <= old) return -1;
   } while (!atomic_compare_exchange_weak(&s->value, &old, v));
@@ -309,7 +336,10 @@ typedef struct ar_engine {
   _Atomic uint64_t last_failed; /* the greatest value of an op that failed (0: none) */
   _Atomic uint64_t fail_count;
   _Atomic uint64_t range_count;
-  /* producer */
+  _Atomic uint64_t last; /* the value of the op appended last */
+  /* producers: Python's submissions and pending ops handed on by whichever thread met their last condition */
+  pthread_mutex_t submit_lock;
+  int stopped;
   chunk *tail;
   unsigned tail_pos;
   _Atomic uint64_t published;
@@ -321,6 +351,7 @@ typedef struct ar_engine {
   pthread_cond_t cond;
   _Atomic int sleeping;
   int64_t spin_ns;
+  int spin_hot; /* whether work came within spin_ns of the queue running dry last time (only then it polls) */
   /* failures and ranges, drained by Python */
   pthread_mutex_t log_lock;
   failure *fails;
@@ -411,18 +442,23 @@ size_t ar_take_ranges(ar_engine *e, uint64_t *out, size_t max) {
 
 static ar_cmd *next_cmd(ar_engine *e) {
   if (atomic_load_explicit(&e->published, memory_order_acquire) == e->consumed) {
-    int64_t until = now_ns() + e->spin_ns;
-    while (atomic_load_explicit(&e->published, memory_order_acquire) == e->consumed) {
-      if (now_ns() < until) { /* poll a while (a wake-up costs more), giving the CPU to any thread that wants it */
+    /* Poll a while (a wake-up costs more) only while work has been arriving within the spin: a queue fed in
+     * bursts keeps polling, an idle or slow one sleeps at once and leaves the CPU to the loop and the other
+     * queues. */
+    int64_t dry = now_ns();
+    if (e->spin_hot) {
+      int64_t until = dry + e->spin_ns;
+      while (atomic_load_explicit(&e->published, memory_order_acquire) == e->consumed && now_ns() < until)
         sched_yield();
-        continue;
-      }
+    }
+    if (atomic_load_explicit(&e->published, memory_order_acquire) == e->consumed) {
       pthread_mutex_lock(&e->lock);
       atomic_store(&e->sleeping, 1);
       while (atomic_load(&e->published) == e->consumed) pthread_cond_wait(&e->cond, &e->lock);
       atomic_store(&e->sleeping, 0);
       pthread_mutex_unlock(&e->lock);
     }
+    e->spin_hot = now_ns() - dry < e->spin_ns;
   }
   if (e->head_pos == CHUNK) {
     chunk *old = e->head;
@@ -436,7 +472,7 @@ static ar_cmd *next_cmd(ar_engine *e) {
 /* Hand a python command to the engine's Python thread and wait for its answer (0: it ran). */
 static int run_python(ar_engine *e, const ar_cmd *c) {
   pthread_mutex_lock(&e->py_lock);
-  e->py_value = c->value;
+  e->py_value = c->op;
   e->py_index = c->index;
   e->py_state = 1;
   pthread_cond_broadcast(&e->py_cond);
@@ -502,13 +538,16 @@ static void *worker(void *arg) {
           ranged = 1;
           break;
         case K_CHECK: {
-          /* a = pointer to b pairs (engine, value) of inputs; if any of their engines has a failure at or
-           * after the input's value, Python decides (command index c) */
+          /* a = pointer to b pairs (engine, value) of inputs (a value with TAG set: the address of the cell of
+           * an op that was pending); if any of their engines has a failure at or after the input's value,
+           * Python decides (command index c) */
           const uint64_t *pairs = (const uint64_t *)(uintptr_t)cmd.a;
           int ask = 0;
           for (uint64_t i = 0; i < cmd.b; i++) {
             ar_engine *other = (ar_engine *)(uintptr_t)pairs[2 * i];
-            if (!other || atomic_load(&other->last_failed) >= pairs[2 * i + 1]) ask = 1;
+            uint64_t v = pairs[2 * i + 1];
+            if (v & TAG) v = __atomic_load_n((uint64_t *)(uintptr_t)(v & ~TAG), __ATOMIC_ACQUIRE);
+            if (!other || v == ABANDONED || atomic_load(&other->last_failed) >= v) ask = 1;
           }
           if (ask && run_python(e, &cmd)) {
             log_failure(e, &cmd, E_PYTHON, 0);
@@ -551,6 +590,7 @@ ar_engine *ar_engine_new(ar_sig *timeline, int64_t spin_ns) {
     return NULL;
   }
   pthread_mutex_init(&e->lock, NULL);
+  pthread_mutex_init(&e->submit_lock, NULL);
   pthread_cond_init(&e->cond, NULL);
   pthread_mutex_init(&e->log_lock, NULL);
   pthread_mutex_init(&e->py_lock, NULL);
@@ -564,9 +604,9 @@ ar_engine *ar_engine_new(ar_sig *timeline, int64_t spin_ns) {
   return e;
 }
 
-/* Append n command records (the single producer: Python calls this under the engine's lock) and wake the
- * worker if it sleeps. Returns 0, or -1 if memory for a new chunk could not be had (nothing was appended). */
-int ar_submit(ar_engine *e, const ar_cmd *cmds, uint32_t n) {
+/* Append n command records under the submit lock, as the op of value `value` (0: a K_STOP, no op). Returns
+ * 0, or -1 if memory for a new chunk could not be had (nothing was appended). */
+static int append(ar_engine *e, const ar_cmd *cmds, uint32_t n, uint64_t value) {
   unsigned free_here = CHUNK - e->tail_pos;
   if (n > free_here) { /* chunks for all of them first, so that a failure appends nothing */
     chunk *first = NULL, *last = NULL;
@@ -591,7 +631,9 @@ int ar_submit(ar_engine *e, const ar_cmd *cmds, uint32_t n) {
       e->tail = atomic_load(&e->tail->next);
       e->tail_pos = 0;
     }
-    e->tail->cmds[e->tail_pos++] = cmds[i];
+    ar_cmd *slot = &e->tail->cmds[e->tail_pos++];
+    *slot = cmds[i];
+    if (value) slot->value = value;
   }
   atomic_fetch_add(&e->published, n);
   if (atomic_load(&e->sleeping)) {
@@ -602,7 +644,249 @@ int ar_submit(ar_engine *e, const ar_cmd *cmds, uint32_t n) {
   return 0;
 }
 
-/* The engine's Python thread: block until a python command is posted; returns 1 with its op value and
+/* Append an op's n command records (their value fields are set here) and wake the worker if it sleeps.
+ * Returns the op's value on the engine's timeline; 0 if the engine has stopped or memory for a new chunk
+ * could not be had (nothing was appended). A K_STOP record stops the engine (and returns 0). */
+uint64_t ar_submit(ar_engine *e, const ar_cmd *cmds, uint32_t n) {
+  uint64_t value = 0;
+  pthread_mutex_lock(&e->submit_lock);
+  if (!e->stopped) {
+    if (n == 1 && cmds[0].kind == K_STOP) {
+      if (append(e, cmds, 1, 0) == 0) e->stopped = 1;
+    } else if (append(e, cmds, n, atomic_load(&e->last) + 1) == 0) {
+      value = atomic_load(&e->last) + 1;
+      atomic_store(&e->last, value);
+    }
+  }
+  pthread_mutex_unlock(&e->submit_lock);
+  return value;
+}
+
+/* ---- pending ops: handed to their queue by the core the moment their last dependency is met ------------ */
+
+/* A pending op waits for conditions: a signal reaching a value, or another pending op being handed to its
+ * queue ("dispatched") or done. `count` is its unmet conditions plus one until ar_pend_go; whichever thread
+ * meets the last one appends the op's records to its engine's ring (no Python, no event loop) and writes the
+ * op's value into `cell`, memory Python owns and reads (ABANDONED: its engine had stopped). A signal fires its
+ * watchers before it publishes the value that met them, so an op whose dependencies Python sees done has
+ * been handed on. Records of pending ops live in a pool that is never freed (a stale pointer stays
+ * readable; `cell` says whose the record is). */
+
+typedef struct waiter {
+  pend *p;
+  int on_done;
+  struct waiter *next;
+} waiter;
+
+struct pend {
+  ar_engine *e;
+  ar_cmd *cmds;
+  uint32_t n;
+  int state; /* 0: free, 1: pending (under pend_lock) */
+  uint64_t *cell;
+  uint64_t value; /* while it is being handed on */
+  _Atomic int64_t count;
+  waiter *waiters; /* under pend_lock */
+  pend *next_free;  /* on the free list, or on a list of ops to hand on */
+  pend *next_batch; /* on the list of ops handed on to one queue at once */
+};
+
+static pthread_mutex_t pend_lock = PTHREAD_MUTEX_INITIALIZER;
+static pend *free_pends;
+
+static int on_sig(pend *p, ar_sig *s, uint64_t v);
+
+/* One of p's conditions is met: 1 if it was the last (the caller dispatches p). */
+static int met(pend *p) { return atomic_fetch_sub(&p->count, 1) == 1; }
+
+/* Hand p to its queue, then pass on what its dispatch meets, iteratively. Under the queue's submit lock,
+ * before anything is appended (so before any of it can run and publish a value): each op's value goes into its
+ * cell, what waits for it to be done becomes a watch on the queue's timeline (a watch fires before the value
+ * that meets it is published), and ops of the same queue that waited only for its dispatch join the batch,
+ * with the next values. Then the batch is appended in order. */
+static void dispatch(pend *p) {
+  pend *todo = p;
+  p->next_free = NULL;
+  while (todo) {
+    pend *first = todo;
+    todo = first->next_free;
+    ar_engine *e = first->e;
+    pthread_mutex_lock(&e->submit_lock);
+    uint64_t next = atomic_load(&e->last);
+    pend *tail = first;
+    first->next_batch = NULL;
+    for (pend *cur = first; cur; cur = cur->next_batch) {
+      cur->value = e->stopped ? ABANDONED : ++next;
+      pthread_mutex_lock(&pend_lock);
+      __atomic_store_n(cur->cell, cur->value, __ATOMIC_RELEASE);
+      waiter *ws = cur->waiters;
+      cur->waiters = NULL;
+      cur->state = 0; /* a later ar_pend_on_pend reads the cell */
+      pthread_mutex_unlock(&pend_lock);
+      while (ws) {
+        waiter *w = ws;
+        ws = w->next;
+        int abandoned = cur->value == ABANDONED;
+        if ((w->on_done && !abandoned) ? on_sig(w->p, e->timeline, cur->value) : met(w->p)) {
+          if (w->p->e == e && !abandoned) {
+            w->p->next_batch = NULL;
+            tail->next_batch = w->p;
+            tail = w->p;
+          } else {
+            w->p->next_free = todo;
+            todo = w->p;
+          }
+        }
+        free(w);
+      }
+    }
+    for (pend *cur = first; cur; cur = cur->next_batch) {
+      if (cur->value == ABANDONED) continue;
+      if (append(e, cur->cmds, cur->n, cur->value) == 0) {
+        atomic_store(&e->last, cur->value);
+      } else { /* no memory for a chunk: it and the rest of the batch are abandoned (their watches stay met) */
+        for (pend *rest = cur; rest; rest = rest->next_batch) __atomic_store_n(rest->cell, ABANDONED, __ATOMIC_RELEASE);
+        break;
+      }
+    }
+    pthread_mutex_unlock(&e->submit_lock);
+    pthread_mutex_lock(&pend_lock);
+    for (pend *cur = first, *after; cur; cur = after) {
+      after = cur->next_batch;
+      free(cur->cmds);
+      cur->cmds = NULL;
+      cur->next_free = free_pends;
+      free_pends = cur;
+    }
+    pthread_mutex_unlock(&pend_lock);
+  }
+}
+
+/* Register "s reaches v" as a condition p already counts; 1 if that met its last one. */
+static int on_sig(pend *p, ar_sig *s, uint64_t v) {
+  watch *w = malloc(sizeof(watch));
+  pthread_mutex_lock(&s->lock);
+  if (w && atomic_load(&s->value) < v && atomic_load(&s->setting) < v) {
+    w->v = v;
+    w->p = p;
+    w->next = s->watches;
+    s->watches = w;
+    if (v < atomic_load(&s->watch_min)) atomic_store(&s->watch_min, v);
+    /* a set() that began meanwhile may have missed the watch: it is met if so (seq_cst against set()) */
+    if (atomic_load(&s->setting) < v) {
+      pthread_mutex_unlock(&s->lock);
+      return 0;
+    }
+    s->watches = w->next;
+  }
+  pthread_mutex_unlock(&s->lock);
+  free(w); /* no memory for the watch: wait for it here instead of hanging the op */
+  if (!w && atomic_load(&s->value) < v) ar_sig_wait(s, v, -1);
+  return met(p);
+}
+
+static void watches_take(ar_sig *s, uint64_t v, pend **todo) {
+  pthread_mutex_lock(&s->lock);
+  uint64_t least = NEVER;
+  for (watch **at = &s->watches; *at;) {
+    watch *w = *at;
+    if (w->v <= v) {
+      *at = w->next;
+      if (met(w->p)) {
+        w->p->next_free = *todo;
+        *todo = w->p;
+      }
+      free(w);
+    } else {
+      if (w->v < least) least = w->v;
+      at = &w->next;
+    }
+  }
+  atomic_store(&s->watch_min, least);
+  pthread_mutex_unlock(&s->lock);
+}
+
+static void dispatch_all(pend *todo) {
+  while (todo) {
+    pend *p = todo;
+    todo = p->next_free;
+    dispatch(p);
+  }
+}
+
+static void watches_fire(ar_sig *s, uint64_t v) {
+  pend *todo = NULL;
+  watches_take(s, v, &todo);
+  dispatch_all(todo);
+}
+
+/* A signal that goes away meets every condition on it (nothing is left hanging on memory being freed). */
+static void watches_drop(ar_sig *s) { watches_fire(s, NEVER); }
+
+/* A new pending op of engine e: n records (copied), `cell` where its value is written once it is handed on.
+ * Add its conditions, then call ar_pend_go. NULL without memory. */
+pend *ar_pend_new(ar_engine *e, const ar_cmd *cmds, uint32_t n, uint64_t *cell) {
+  pthread_mutex_lock(&pend_lock);
+  pend *p = free_pends;
+  if (p) free_pends = p->next_free;
+  pthread_mutex_unlock(&pend_lock);
+  if (!p && !(p = calloc(1, sizeof(pend)))) return NULL;
+  p->cmds = malloc((size_t)n * sizeof(ar_cmd));
+  if (!p->cmds) {
+    pthread_mutex_lock(&pend_lock);
+    p->next_free = free_pends;
+    free_pends = p;
+    pthread_mutex_unlock(&pend_lock);
+    return NULL;
+  }
+  memcpy(p->cmds, cmds, (size_t)n * sizeof(ar_cmd));
+  p->e = e;
+  p->n = n;
+  p->cell = cell;
+  p->waiters = NULL;
+  atomic_store(&p->count, 1);
+  pthread_mutex_lock(&pend_lock);
+  p->state = 1;
+  pthread_mutex_unlock(&pend_lock);
+  return p;
+}
+
+/* Condition: signal s reaches v. */
+void ar_pend_on_sig(pend *p, ar_sig *s, uint64_t v) {
+  atomic_fetch_add(&p->count, 1);
+  if (on_sig(p, s, v)) dispatch(p); /* not the last: ar_pend_go holds one */
+}
+
+/* Condition: the pending op `dep` (whose cell is `dep_cell`, of engine `dep_engine`) is dispatched, or with
+ * on_done, done. If it has been handed on already, its cell says where. */
+void ar_pend_on_pend(pend *p, pend *dep, uint64_t *dep_cell, ar_engine *dep_engine, int on_done) {
+  atomic_fetch_add(&p->count, 1);
+  waiter *w = malloc(sizeof(waiter));
+  pthread_mutex_lock(&pend_lock);
+  if (w && dep->state == 1 && dep->cell == dep_cell) {
+    w->p = p;
+    w->on_done = on_done;
+    w->next = dep->waiters;
+    dep->waiters = w;
+    pthread_mutex_unlock(&pend_lock);
+    return;
+  }
+  pthread_mutex_unlock(&pend_lock);
+  free(w);
+  uint64_t value = __atomic_load_n(dep_cell, __ATOMIC_ACQUIRE);
+  if (!value) { /* no memory for the waiter: wait for the dispatch here */
+    while (!(value = __atomic_load_n(dep_cell, __ATOMIC_ACQUIRE))) sched_yield();
+  }
+  int last = (on_done && value != ABANDONED) ? on_sig(p, dep_engine->timeline, value) : met(p);
+  if (last) dispatch(p);
+}
+
+/* Every condition of p has been added: it is handed on now if they are all met, else by whoever meets the last. */
+void ar_pend_go(pend *p) {
+  if (met(p)) dispatch(p);
+}
+
+/* The engine's Python thread: block until a python command is posted; returns 1 with its op's id and
  * command index, or 0 once the engine has stopped. */
 int ar_py_next(ar_engine *e, uint64_t *value, uint32_t *index) {
   pthread_mutex_lock(&e->py_lock);
@@ -652,6 +936,7 @@ void ar_engine_free(ar_engine *e) {
   free(e->fails);
   free(e->ranges);
   pthread_mutex_destroy(&e->lock);
+  pthread_mutex_destroy(&e->submit_lock);
   pthread_cond_destroy(&e->cond);
   pthread_mutex_destroy(&e->log_lock);
   pthread_mutex_destroy(&e->py_lock);
@@ -667,6 +952,7 @@ size_t ar_engine_field(int which) {
     case 0: return offsetof(ar_engine, last_failed);
     case 1: return offsetof(ar_engine, fail_count);
     case 2: return offsetof(ar_engine, range_count);
+    case 3: return offsetof(ar_engine, last);
   }
   return 0;
 }

@@ -22,13 +22,26 @@ import struct
 import threading
 from array import array
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from aruntime.engine import native
 from aruntime.engine.kernel import _NATIVE_COPIES, _NOTHING, Entry, KernelError
 from aruntime.engine.native.signal import NativeSignal
-from aruntime.engine.ops import COPY, EXEC, SIGNAL, TIMESTAMP, WAIT, Command, Engine, Op, check_deps, run_copy
+from aruntime.engine.ops import (
+    ABANDONED,
+    COPY,
+    EXEC,
+    HELD,
+    SIGNAL,
+    TIMESTAMP,
+    WAIT,
+    Command,
+    Engine,
+    Op,
+    check_deps,
+    run_copy,
+)
 from aruntime.errors import OpError, SignalTimeout
 from aruntime.events import RangeEvent, RangeLog, recorder
 
@@ -36,12 +49,15 @@ K_WAIT, K_SIGNAL, K_TIMESTAMP, K_COPY, K_EXEC, K_NOP, K_CHECK, K_PY, K_STOP = ra
 F_END, F_RECORD = 1, 2
 E_KERNEL, E_TIMEOUT, E_PYTHON, E_ORDER = 1, 2, 3, 4
 CHECK_BIT = 1 << 31
+TAG = 1 << 63
+"""In a dependency check's (engine, value) pair: the value is read from the cell at this address."""
 _RECORD = struct.Struct("=IIQQQQQQII")
 """One command record, as core.c's ``ar_cmd``: kind, flags, a, b, c, d, op value, op id, name id, index."""
 RETIRE_EVERY = 64
 """Finished ops a submission lets pile up before it retires them (awaiting or observing an op retires it at once)."""
 SPIN_NS = 20_000
-"""How long a worker that ran out of commands polls for more before it sleeps (a wake-up costs more)."""
+"""How long a worker that ran out of commands polls for more before it sleeps (a wake-up costs more); it polls
+only while work has been coming within that time of its queue running dry, else it sleeps at once."""
 
 _log = logging.getLogger("aruntime")
 _names: dict[str, int] = {}
@@ -103,6 +119,9 @@ class NativeRangeLog(RangeLog):
 class NativeEngine(Engine):
     """An engine whose commands run on a native worker thread (see the module docstring)."""
 
+    assigns_values = True  # the core numbers ops: it also hands on pending ops itself
+    pends = True
+
     def __init__(self, device: str, kind: str, timeout: float, chunk: int = 8 << 20, spin_ns: int = SPIN_NS) -> None:
         super().__init__(device, kind, timeout)
         lib = native.lib()
@@ -115,13 +134,17 @@ class NativeEngine(Engine):
         self.address: int = eng
         """The native engine's address (what other engines' dependency checks name)."""
         self.failures = _u64(eng + lib.ar_engine_field(1))
+        self.address_of_signal: int = self.signal.ptr
+        """The address of the native signal of this engine's timeline."""
+        self._last = _u64(eng + lib.ar_engine_field(3))
         assert isinstance(self.ranges, NativeRangeLog)
         self.ranges.bind(lib, eng)
         self._submit = lib.ar_submit
         self._handle = ctypes.c_void_p(eng)  # passed as it is: no argument conversion per submission
         self._inflight: deque[tuple[Op, list[Any] | None]] = deque()
         self._failed: dict[int, tuple[int, int, int]] = {}  # op value -> (command index, kind, status)
-        self._python: dict[int, Op] = {}  # op value -> op, for ops with commands the Python thread runs
+        self._python: dict[int, Op] = {}  # op id -> op, for ops with commands the Python thread runs
+        self._pended: list[tuple[Op, list[Any] | None]] = []  # ops pending in the core, not yet retired
         self._thread: threading.Thread | None = None
         self._retire_lock = threading.Lock()
         self._joined = False
@@ -134,13 +157,56 @@ class NativeEngine(Engine):
     def _range_log(self) -> NativeRangeLog:
         return NativeRangeLog(self.device, self.is_copy)
 
+    @property
+    def last(self) -> int:  # type: ignore[override]  # read-only here: the core numbers this engine's ops
+        """The value of the op appended to the ring last (by a submission or by the core, for a pending op)."""
+        return int(self._last[0])
+
     # ---- submission ---------------------------------------------------------------------------------
 
     def _enqueue(self, cmds: list[Command], op: Op) -> None:
         inflight = self._inflight
         if len(inflight) >= RETIRE_EVERY and inflight[0][0].value <= self.signal.value:
             self.retire()  # in batches: an op that is awaited or observed is retired then anyway
-        pack, value, op_id = _RECORD.pack, op.value, op.id
+        records, count, keep = self._pack(cmds, op)
+        value = self._submit(self._handle, records, count)
+        if not value:
+            self._python.pop(op.id, None)
+            raise MemoryError(f"{op.name}: no memory for the commands of {self.signal.name}")
+        op.value = value
+        inflight.append((op, keep))
+
+    def pend(self, cmds: list[Command], op: Op, blockers: Sequence[tuple[bool, Op]]) -> None:
+        """Hand ``op`` to the core with the signal values (or pending ops) it waits for: the core appends it to
+        the ring from whichever thread meets the last of them. ``op`` is held until then (see :class:`Op`)."""
+        lib = self._lib
+        with self._lock:
+            self.check_open(op.name)
+            op.engine = self
+            op.cmds = cmds
+            records, count, keep = self._pack(cmds, op)
+            cell = op.cell = array("Q", [0])
+            pend = lib.ar_pend_new(self.address, records, count, cell.buffer_info()[0])
+            if not pend:
+                self._python.pop(op.id, None)
+                raise MemoryError(f"{op.name}: no memory for the commands of {self.signal.name}")
+            op.pend = pend
+            op.hold(self)
+            with self._retire_lock:  # retire() replaces the list
+                self._pended.append((op, keep))
+        for on_dispatch, dep in blockers:
+            dep_engine = dep.engine
+            assert isinstance(dep_engine, NativeEngine)
+            if dep.cell is not None and dep.value == HELD:
+                lib.ar_pend_on_pend(pend, dep.pend, dep.cell.buffer_info()[0], dep_engine.address, not on_dispatch)
+            elif not on_dispatch:
+                lib.ar_pend_on_sig(pend, dep_engine.address_of_signal, dep.value)
+        lib.ar_pend_go(pend)
+
+    def _pack(self, cmds: list[Command], op: Op) -> tuple[bytes, int, list[Any] | None]:
+        """The ring records of ``op``'s commands (their value is set by the core), how many, and what must be
+        kept alive until the op has run."""
+        pack, value, op_id = _RECORD.pack, 0, op.id
         record = F_RECORD if recorder.enabled else 0
         keep: list[Any] | None = None
         checked = not op.inputs
@@ -172,6 +238,7 @@ class NativeEngine(Engine):
                 if pairs is not None:
                     keep = keep or []
                     keep.append(pairs)
+                    keep.extend(dep.cell for dep in op.inputs if dep.cell is not None)
                     self._python_runs(op)
                     address, count = pairs.buffer_info()
                     add(pack(K_CHECK, 0, address, count // 2, 0, 0, value, op_id, 0, i | CHECK_BIT))
@@ -190,13 +257,11 @@ class NativeEngine(Engine):
                 add(pack(K_PY, flags, 0, 0, 0, 0, value, op_id, name, i))
             else:
                 raise ValueError(f"{op.name}: unknown command kind {kind!r}")
-        if self._submit(self._handle, records[0] if len(records) == 1 else b"".join(records), len(records)):
-            raise MemoryError(f"{op.name}: no memory for the commands of {self.signal.name}")
-        inflight.append((op, keep))
+        return records[0] if len(records) == 1 else b"".join(records), len(records), keep
 
     def _python_runs(self, op: Op) -> None:
         """Let the engine's Python thread (started now if need be) find ``op`` (before its command is pushed)."""
-        self._python[op.value] = op
+        self._python[op.id] = op
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve_python, name=f"{self.signal.name} python")
             self._thread.daemon = True
@@ -212,7 +277,12 @@ class NativeEngine(Engine):
                     pairs.extend((0, 0))
                 continue
             engine = dep.engine
-            pairs.extend((engine.address, dep.value) if isinstance(engine, NativeEngine) else (0, 0))
+            if not isinstance(engine, NativeEngine):
+                pairs.extend((0, 0))
+            elif dep.value == HELD and dep.cell is not None:  # its value is read from its cell (kept with pairs)
+                pairs.extend((engine.address, dep.cell.buffer_info()[0] | TAG))
+            else:
+                pairs.extend((engine.address, dep.value))
         return pairs if pairs else None
 
     def _stop(self) -> None:
@@ -240,7 +310,7 @@ class NativeEngine(Engine):
             i = index.value
             op = self._python.get(value.value)
             if op is None:  # cannot happen: the op is registered before its command is pushed
-                _log.error("%s: no op for python command %d of op value %d", self.signal.name, i, value.value)
+                _log.error("%s: no op for python command %d of op #%d", self.signal.name, i, value.value)
                 lib.ar_py_done(eng, 1)
                 continue
             try:
@@ -272,21 +342,36 @@ class NativeEngine(Engine):
             inflight = self._inflight
             while inflight and inflight[0][0].value <= reached:
                 op, keep = inflight.popleft()
-                value = op.value
-                failure = self._failed.pop(value, None) if self._failed else None
-                if failure is not None:
-                    self._set_error(op, *failure)
-                    failed.append(op)
-                if keep is not None:
-                    for item in keep:
-                        if type(item) is tuple:
-                            item[0].append(item[1][0] / 1000.0)
-                if self._python:
-                    self._python.pop(value, None)
-                op.keep = op.cmds = None
-                op.deps = op.inputs = ()
+                self._retire_op(op, op.value, keep, failed)
+            if self._pended:
+                pended = []
+                for op, keep in self._pended:
+                    cell = op.cell
+                    assert cell is not None
+                    value = cell[0]
+                    if value == ABANDONED:
+                        op.keep = op.cmds = None
+                    elif value and value <= reached:
+                        self._retire_op(op, value, keep, failed)
+                    else:
+                        pended.append((op, keep))
+                self._pended = pended
         for op in failed:
             self._note_failure(op)
+
+    def _retire_op(self, op: Op, value: int, keep: list[Any] | None, failed: list[Op]) -> None:
+        failure = self._failed.pop(value, None) if self._failed else None
+        if failure is not None:
+            self._set_error(op, *failure)
+            failed.append(op)
+        if keep is not None:
+            for item in keep:
+                if type(item) is tuple:
+                    item[0].append(item[1][0] / 1000.0)
+        if self._python:
+            self._python.pop(op.id, None)
+        op.keep = op.cmds = None
+        op.deps = op.inputs = ()
 
     def _take_failures(self) -> None:
         for value, index, kind, status in _records(self._lib.ar_take_failures, self.address):

@@ -9,7 +9,9 @@ once until the loop acknowledges; the loop, woken by the descriptor (``add_reade
 
 Callbacks (:meth:`NativeSignal.on_reach`) go the same way: they run on the loop that registered them, or on
 the process's callback thread (a Python thread blocked reading its own notifier) when registered outside any
-loop. A loop that ends hands its pending callbacks to the callback thread, so none is lost.
+loop. A loop that ends hands its pending callbacks to the callback thread, so none is lost. The callback thread
+starts with the first native signal, before any loop can wait: a loop that is collected has its notifier closed
+there (:func:`close_later`), since a finalizer may run under any lock, the callback thread's own included.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import os
 import sys
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +37,7 @@ if TYPE_CHECKING:
 _log = logging.getLogger("aruntime")
 _seq = itertools.count()
 _live: weakref.WeakSet[Notified] = weakref.WeakSet()
+_closing: deque[Notified] = deque()  # notifieds of consumers that were collected, for the callback thread to close
 Item = Any  # a Waiter (resumed by the owner) or a callable
 
 
@@ -66,6 +70,7 @@ class Notified:
         self._lock = threading.Lock()
         self._waits: dict[NativeSignal, list[tuple[int, int, Item]]] = {}
         self._armed: dict[NativeSignal, int] = {}
+        self._gone: dict[NativeSignal, int] = {}  # waiters that gave up, per signal, since its heap was last swept
         self.callbacks = 0
         """How many callbacks (not waiters) are registered here and not run yet."""
         self.closed = False
@@ -93,6 +98,27 @@ class Notified:
         if moved and callable(item):
             callback_thread().add(sig, value, item)
 
+    def forget(self, sig: NativeSignal) -> None:
+        """A waiter added for ``sig`` gave up (cancelled or timed out, its ``task`` cleared): once such waiters
+        may be half of ``sig``'s heap, drop them, so that a wait cancelled over and over costs no memory.
+
+        What is armed stays armed (native code cannot be told to forget it): while it has not fired, an empty
+        heap stays too, so that :meth:`drain` arms the next value when it fires.
+        """
+        with self._lock:
+            heap = self._waits.get(sig)
+            if not heap:
+                return
+            gone = self._gone[sig] = self._gone.get(sig, 0) + 1
+            if 2 * gone < len(heap):
+                return
+            del self._gone[sig]
+            heap[:] = [entry for entry in heap if callable(entry[2]) or entry[2].task is not None]
+            heapq.heapify(heap)
+            if not heap and self._armed.get(sig, 0) <= sig.value:  # nothing armed that is still to fire
+                del self._waits[sig]
+                self._armed.pop(sig, None)
+
     def drain(self) -> None:
         """Resume or call whatever was reached (on the consumer's thread, when its descriptor is readable)."""
         with contextlib.suppress(BlockingIOError, InterruptedError):
@@ -104,10 +130,10 @@ class Notified:
             with self._lock:
                 for sig, heap in list(self._waits.items()):
                     reached = sig.value
-                    if heap[0][0] > reached:
-                        continue
                     if self._armed.get(sig, reached + 1) <= reached:
                         del self._armed[sig]  # fired (or about to be): native code disarmed it
+                    elif not heap or heap[0][0] > reached:  # empty: its waiters gave up (see forget)
+                        continue
                     while heap and heap[0][0] <= reached:
                         item = heapq.heappop(heap)[2]
                         if callable(item):
@@ -117,6 +143,7 @@ class Notified:
                     if not heap:
                         del self._waits[sig]
                         self._armed.pop(sig, None)
+                        self._gone.pop(sig, None)
                     elif sig not in self._armed:
                         self._armed[sig] = heap[0][0]
                         if self._lib.ar_sig_arm(sig.ptr, self.slot, heap[0][0]):
@@ -144,9 +171,10 @@ class Notified:
                     self.callbacks -= 1
                     sig.callbacks -= 1
                 ready.append(item)
-            if heap is not None and not heap:
+            if heap is not None and not heap and self._armed.get(sig, 0) <= reached:
                 del self._waits[sig]
                 self._armed.pop(sig, None)
+                self._gone.pop(sig, None)
             elif heap and self._armed.get(sig, reached + 1) <= reached:
                 self._armed[sig] = heap[0][0]  # what was armed fired (natively): arm the next value
                 if self._lib.ar_sig_arm(sig.ptr, self.slot, heap[0][0]):
@@ -173,6 +201,7 @@ class Notified:
             self.closed = True
             waits, self._waits = self._waits, {}
             self._armed = {}
+            self._gone = {}
             self.callbacks = 0
         self._lib.ar_notifier_free(self.slot)
         self._close_fds()
@@ -191,7 +220,17 @@ class Notified:
 
     def __del__(self) -> None:
         if not getattr(self, "closed", True):
-            self.close()
+            close_later(self)
+
+
+def close_later(notified: Notified) -> None:
+    """Have the callback thread close ``notified``, soon: what finalizers call (a collected loop's, the notified's
+    own), since one may run under any lock, :meth:`Notified.close` takes two. Takes no lock (appending to a
+    deque is atomic; the wake-up is a native call)."""
+    _closing.append(notified)
+    callbacks = _callbacks
+    if callbacks is not None:
+        callbacks.notified._lib.ar_notify(callbacks.notified.slot)
 
 
 def _reclaim() -> None:
@@ -216,6 +255,11 @@ class _CallbackThread:
         while True:
             select.select([notified.fd], [], [])  # sleeps without the GIL
             notified.drain()
+            while _closing:  # after the drain acknowledged the wake-ups: a later close_later wakes it again
+                try:
+                    _closing.popleft().close()  # only this thread takes from it
+                except Exception:  # this thread must go on
+                    _log.exception("aruntime: closing the notifier of a collected event loop failed")
 
 
 _callbacks: _CallbackThread | None = None

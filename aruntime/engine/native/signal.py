@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import sys
+import time
 from collections.abc import Callable
 
 from aruntime.engine import native
@@ -12,6 +13,10 @@ from aruntime.engine.native import notify
 from aruntime.engine.native.notify import Notified, callback_thread
 from aruntime.engine.signal import TimelineSignal
 from aruntime.engine.wakeup import Waiter, Waker, asyncio_waker, trio_waker
+from aruntime.helpers import checkpoint
+
+SLICE = 0.05
+"""The longest a blocking :meth:`NativeSignal.wait` stays in native code before it checks for signals (seconds)."""
 
 
 def _loop_waker() -> Waker | None:
@@ -63,6 +68,7 @@ class NativeSignal(TimelineSignal):
             raise MemoryError(f"{name}: no memory for a signal")
         self.ptr: int = ptr
         self._v = memoryview((ctypes.c_uint64 * 1).from_address(ptr)).cast("B").cast("Q")
+        callback_thread()  # running before a loop waits on a signal (see notify.close_later)
         self.retire: Callable[[], None] | None = None
         self.callbacks = 0
         """Callbacks registered on this signal, on any notified, not run yet (a hint: it spares the lookup of the
@@ -115,20 +121,29 @@ class NativeSignal(TimelineSignal):
         target.add(self, value, callback)
 
     def wait(self, value: int, timeout: float | None = None) -> None:
-        """Block this thread (the GIL released) until ``value`` is reached; raise :class:`SignalTimeout`."""
+        """Block this thread (the GIL released) until ``value`` is reached; raise :class:`SignalTimeout`.
+
+        It blocks in slices of :data:`SLICE` seconds, so that the main thread runs signal handlers between them
+        (Ctrl-C raises :class:`KeyboardInterrupt` in it, as it does in any Python wait).
+        """
         if self._v[0] >= value:
             return
         limit = self.timeout if timeout is None else timeout
-        if self._lib.ar_sig_wait(self.ptr, value, int(limit * 1e9)):
-            raise self._timeout_error(value, limit)
+        deadline = time.monotonic() + limit
+        while self._lib.ar_sig_wait(self.ptr, value, int(min(SLICE, max(0.0, deadline - time.monotonic())) * 1e9)):
+            if time.monotonic() >= deadline:
+                raise self._timeout_error(value, limit)
         retire = self.retire
         if retire is not None:
             retire()
 
     async def wait_async(self, value: int, timeout: float | None = None) -> None:
-        """Suspend the current task until ``value`` is reached: woken through the loop's notifier."""
+        """Suspend the current task until ``value`` is reached: woken through the loop's notifier. A wait that
+        is cancelled or times out leaves nothing registered behind (see :meth:`Notified.forget`). A checkpoint
+        even when ``value`` is reached."""
         if self._v[0] >= value:
             self.catch_up()
+            await checkpoint()
             return
         limit = self.timeout if timeout is None else timeout
         loop = asyncio._get_running_loop()
@@ -136,23 +151,35 @@ class NativeSignal(TimelineSignal):
             fut: asyncio.Future[None] = loop.create_future()
             waker = asyncio_waker(loop)
             waiter = Waiter(fut, loop.time() + limit, lambda: self._timeout_error(value, limit))
-            waker.native().add(self, value, waiter)
+            notified = waker.native()
+            notified.add(self, value, waiter)
             waker.track(waiter)
+            woken = False
             try:
                 await fut
+                woken = True
             finally:
                 waiter.task = None
+                if not woken:
+                    notified.forget(self)
             return
         import trio
 
         twaker = trio_waker()
         task = trio.lowlevel.current_task()
         waiter = Waiter(task, trio.current_time() + limit, lambda: self._timeout_error(value, limit))
-        twaker.native().add(self, value, waiter)
+        tnotified = twaker.native()
+        tnotified.add(self, value, waiter)
         twaker.track(waiter)
 
         def abort(_: object) -> trio.lowlevel.Abort:
             waiter.task = None
             return trio.lowlevel.Abort.SUCCEEDED
 
-        await trio.lowlevel.wait_task_rescheduled(abort)
+        woken = False
+        try:
+            await trio.lowlevel.wait_task_rescheduled(abort)
+            woken = True
+        finally:
+            if not woken:
+                tnotified.forget(self)

@@ -1,0 +1,119 @@
+"""Ops a Scheduler holds for a dependency on another queue reach their queue without the event loop.
+
+On the native engine the core receives such an op with what it waits for and appends it to its queue from
+the worker thread that meets its last dependency; on the Python engine the engine thread that completes the
+dependency hands it over. Either way the loop does not take part: these tests block the loop's thread while
+the work runs.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+
+import anyio
+import pytest
+
+from aruntime import Buffer, DependencyError, Device, DeviceError, OpError, Scheduler, dtypes
+from aruntime.engine import KernelError
+from tests.kernels import SPINS, closed_gate
+
+pytestmark = pytest.mark.anyio
+
+INC = r"""
+#include <stdint.h>
+void kernel(int32_t *b, int64_t n) { for (int64_t i = 0; i < n; i++) b[i] += 1; }
+"""
+FAIL = r"""
+#include <stdint.h>
+int kernel(int32_t *b, int64_t n) { for (int64_t i = 0; i < n; i++) b[i] = -1; return 7; }
+"""
+OPS = 10_000
+
+
+async def test_a_chain_across_four_queues_completes_with_the_loop_blocked() -> None:
+    """10,000 ops, each reading what the one before wrote, alternate between two devices' compute and copy
+    queues: a kernel on one device, a transfer to the other, a kernel there, a transfer back. The loop's thread
+    blocks on the last op from the moment the chain is submitted, so no op can wait for a loop turn."""
+    devs = Device["CPU:3"], Device["CPU:4"]
+    progs = [await dev.compile(INC, outs=(0,)) for dev in devs]
+    n = 16
+    async with devs[0].buffer(n, dtypes.int32) as a, devs[1].buffer(n, dtypes.int32) as b:
+        await devs[0].copyin(a, array.array("i", range(n)))
+        ops = []
+        async with Scheduler(window=OPS, queue=0) as sched:
+            for _ in range(OPS // 4):
+                ops.append(sched.launch(progs[0], a, vals=(n,)))
+                ops.append(sched.transfer(b, a))
+                ops.append(sched.launch(progs[1], b, vals=(n,)))
+                ops.append(sched.transfer(a, b))
+            engines = {op.engine for op in ops}
+            assert engines == {devs[0].compute, devs[0].copy, devs[1].compute, devs[1].copy}
+            ops[-1].wait_done(timeout=60)  # the loop's thread blocks: nothing can run on the loop meanwhile
+            assert all(op.done() for op in ops)
+            assert all(op.error is None for op in ops)
+        assert list(await devs[0].copyout(a)) == [i + OPS // 2 for i in range(n)]
+
+
+async def test_a_held_op_whose_dependency_failed_fails_and_the_queue_goes_on() -> None:
+    dev = Device["CPU:3"]
+    fail = await dev.compile(FAIL, outs=(0,))
+    big = 64 << 10  # the copy-out goes on the copy queue and waits there for the kernel
+    async with dev.buffer(big, dtypes.int32) as buf, dev.buffer(4, dtypes.int32) as other:
+        with pytest.raises(KernelError):
+            async with Scheduler() as sched:
+                failing = sched.launch(fail, buf, vals=(big,))
+                reader = sched.copyout(buf)
+                independent = sched.copyin(other, array.array("i", [1, 2, 3, 4]))
+                reader.wait_done(timeout=30)  # handed on and failed with the loop blocked
+                with pytest.raises(DependencyError) as info:
+                    await reader
+                assert info.value.first == failing.name
+                await independent
+        assert list(await dev.copyout(other)) == [1, 2, 3, 4]
+
+
+async def test_a_held_op_whose_queue_stopped_fails_instead_of_being_lost() -> None:
+    """An engine that stopped while an op waited for a dependency: the op fails once the dependency is done,
+    naming the closed queue; awaiting it does not hang."""
+    dev = Device["CPU:5"]
+    gate, flag = await closed_gate(dev)
+    big = await dev.allocate(64 << 10, dtypes.int32)
+    with anyio.fail_after(20):
+        async with Scheduler() as sched:
+            writer = sched.launch(gate, big, vals=(flag.handle, SPINS))
+            held = sched.copyout(big)
+            assert not held.dispatched
+            await anyio.to_thread.run_sync(dev.copy.close)  # the copy queue stops with the op still held
+            _open(flag)
+            await writer
+            with pytest.raises((DeviceError, OpError), match="closed") as info:
+                await held
+            assert "copy queue" in str(info.value)
+        await dev.aclose()
+
+
+async def test_cancelling_a_scope_with_held_ops_leaves_memory_at_its_baseline() -> None:
+    dev = Device["CPU:6"]
+    gate, flag = await closed_gate(dev)
+    inc = await dev.compile(INC, outs=(0,))
+    baseline = dev.memory_stats()["in_use"]
+    with anyio.fail_after(20):
+        with anyio.CancelScope() as scope:
+            async with dev.buffer(64 << 10, dtypes.int32) as buf, Scheduler() as sched:
+                sched.launch(gate, buf, vals=(flag.handle, SPINS))
+                held = [sched.copyout(buf) for _ in range(8)]
+                held.append(sched.launch(inc, buf, vals=(64 << 10,)))
+                assert not any(op.done() for op in held)
+                _open(flag)
+                scope.cancel()  # the scheduler's exit drains what is in flight, the buffer's exit frees it
+                await anyio.sleep_forever()
+        assert scope.cancelled_caught
+    assert all(op.done() for op in held)
+    await dev.synchronize()
+    assert dev.memory_stats()["in_use"] == baseline
+
+
+def _open(flag: Buffer) -> None:
+    """Open a gate from the host (its flag is host memory of a CPU device), without any queue."""
+    ctypes.c_int32.from_address(flag.handle).value = 1
