@@ -12,7 +12,7 @@ from aruntime.buffer import Buffer, BufferScope
 from aruntime.device import BaseDevice, Device, Program, is_dtype_supported, transfer
 from aruntime.dlpack import from_dlpack
 from aruntime.dtype import DType, dtypes
-from aruntime.engine import Op
+from aruntime.engine import KernelError, Op
 from aruntime.errors import (
     AllocationError,
     AruntimeError,
@@ -48,6 +48,7 @@ __all__ = [
     "DeviceError",
     "Graph",
     "GraphRun",
+    "KernelError",
     "Op",
     "OpError",
     "Param",

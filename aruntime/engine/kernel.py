@@ -24,6 +24,10 @@ class KernelError(OpError):
         super().__init__(message)
         self.status = status
 
+    def __reduce__(self) -> tuple[type[KernelError], tuple[str, int]]:
+        """Pickled with its status (a remote device's failure reaches the caller as it was raised)."""
+        return (KernelError, (str(self), self.status))
+
 
 class Entry:
     """A kernel's entry point at ``address`` (``int entry(const uint64_t *args)``), named ``name``."""

@@ -169,7 +169,7 @@ class Op:
         counts as done, with ``error``, and whatever waited for its dispatch or its end runs now."""
         with _later_lock:
             later, self.later = self.later or [], None
-            self.error = error
+            engine._fail(self, error)  # an OpError naming the op and queue, ``error`` its cause
             self.engine = engine
             self.value = 0  # done: every timeline is at 0 or beyond
         engine.held.discard(self)
