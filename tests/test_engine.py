@@ -467,8 +467,9 @@ async def test_an_op_held_for_an_engine_closed_meanwhile_fails_instead_of_hangin
     gate.set(1)
     with anyio.fail_after(10):
         await filled
-        with pytest.raises(DeviceError, match="CPU:7 compute queue is closed"):
+        with pytest.raises(OpError, match="CPU:7 compute queue is closed") as info:
             await held
+        assert isinstance(info.value.__cause__, DeviceError)
         await dev.settle()  # nothing is left held
     assert held.done() and not dev.compute.held
     await dev.synchronize()  # the failure was seen by its awaiter: nothing more to raise

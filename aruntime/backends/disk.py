@@ -36,7 +36,7 @@ def _reserve(fd: int, size: int, length: int) -> None:
     blocks, growing it with zeros.
 
     Without that, writing through a mapping into a part of a sparse file the file system has no room for kills
-    the process (SIGBUS). A size beyond the file system's free blocks is refused before asking, as C libraries
+    the process (SIGBUS). Growth beyond the file system's free blocks is refused before asking, as C libraries
     that emulate ``posix_fallocate`` write one byte per block. Where the platform has no ``posix_fallocate``
     the file is only grown (sparse).
     """
@@ -46,7 +46,7 @@ def _reserve(fd: int, size: int, length: int) -> None:
             os.ftruncate(fd, size)
         return
     fs = os.fstatvfs(fd)
-    if grow > fs.f_bfree * fs.f_frsize:
+    if fs.f_blocks and grow > fs.f_bfree * fs.f_frsize:  # a file system that reports no size is not checked
         raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({fs.f_bfree * fs.f_frsize} bytes free)")
     os.posix_fallocate(fd, 0, size)
 
