@@ -88,7 +88,7 @@ class Batcher(Generic[T, R]):
             if exc_type is None or issubclass(exc_type, anyio.get_cancelled_exc_class()):
                 suppress = await self._tg.__aexit__(exc_type, exc, tb)
                 if exc_type is None:
-                    await checkpoint()  # the task group's exit is none when the runner has returned already
+                    await checkpoint()  # a task group's exit is not one once its tasks have returned
                 return suppress
             self._tg.cancel_scope.cancel()  # the body failed: stop the runner, and let the error through as it is
             await self._tg.__aexit__(None, None, None)
@@ -127,7 +127,7 @@ class Batcher(Generic[T, R]):
                     self._wake = anyio.Event()
                     await self._wake.wait()
                     continue
-                await anyio.lowlevel.checkpoint()  # tasks already woken add their items first
+                await checkpoint()  # tasks already woken add their items first
                 await self._run(ready.popleft())  # items that come meanwhile start a new batch
         finally:  # done, cancelled or interrupted: nobody will run what is left, or take new items
             self._open = False

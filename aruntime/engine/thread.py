@@ -98,7 +98,7 @@ class ThreadEngine(Engine):
                         cmd[1].append(now_us())
                     continue
                 if not checked:
-                    check_deps(op)
+                    check_deps(op, settle=False)  # the waits before it passed
                     checked = True
                 recording = recorder.enabled
                 start = perf_counter_ns() if recording else 0

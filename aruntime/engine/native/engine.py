@@ -315,7 +315,7 @@ class NativeEngine(Engine):
                 continue
             try:
                 if i & CHECK_BIT:
-                    check_deps(op)  # each input's done() brings its error up to date first
+                    check_deps(op, settle=False)  # inputs it waited for are done; a graph part may wait only for a part
                 else:
                     assert op.cmds is not None
                     cmd = op.cmds[i]
