@@ -351,7 +351,6 @@ typedef struct ar_engine {
   pthread_cond_t cond;
   _Atomic int sleeping;
   int64_t spin_ns;
-  int spin_hot; /* whether work came within spin_ns of the queue running dry last time (only then it polls) */
   /* failures and ranges, drained by Python */
   pthread_mutex_t log_lock;
   failure *fails;
@@ -442,23 +441,18 @@ size_t ar_take_ranges(ar_engine *e, uint64_t *out, size_t max) {
 
 static ar_cmd *next_cmd(ar_engine *e) {
   if (atomic_load_explicit(&e->published, memory_order_acquire) == e->consumed) {
-    /* Poll a while (a wake-up costs more) only while work has been arriving within the spin: a queue fed in
-     * bursts keeps polling, an idle or slow one sleeps at once and leaves the CPU to the loop and the other
-     * queues. */
-    int64_t dry = now_ns();
-    if (e->spin_hot) {
-      int64_t until = dry + e->spin_ns;
-      while (atomic_load_explicit(&e->published, memory_order_acquire) == e->consumed && now_ns() < until)
+    int64_t until = now_ns() + e->spin_ns;
+    while (atomic_load_explicit(&e->published, memory_order_acquire) == e->consumed) {
+      if (now_ns() < until) { /* poll a while (a wake-up costs more), giving the CPU to any thread that wants it */
         sched_yield();
-    }
-    if (atomic_load_explicit(&e->published, memory_order_acquire) == e->consumed) {
+        continue;
+      }
       pthread_mutex_lock(&e->lock);
       atomic_store(&e->sleeping, 1);
       while (atomic_load(&e->published) == e->consumed) pthread_cond_wait(&e->cond, &e->lock);
       atomic_store(&e->sleeping, 0);
       pthread_mutex_unlock(&e->lock);
     }
-    e->spin_hot = now_ns() - dry < e->spin_ns;
   }
   if (e->head_pos == CHUNK) {
     chunk *old = e->head;

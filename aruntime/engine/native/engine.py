@@ -56,8 +56,7 @@ _RECORD = struct.Struct("=IIQQQQQQII")
 RETIRE_EVERY = 64
 """Finished ops a submission lets pile up before it retires them (awaiting or observing an op retires it at once)."""
 SPIN_NS = 20_000
-"""How long a worker that ran out of commands polls for more before it sleeps (a wake-up costs more); it polls
-only while work has been coming within that time of its queue running dry, else it sleeps at once."""
+"""How long a worker that ran out of commands polls for more before it sleeps (a wake-up costs more)."""
 
 _log = logging.getLogger("aruntime")
 _names: dict[str, int] = {}
@@ -134,8 +133,6 @@ class NativeEngine(Engine):
         self.address: int = eng
         """The native engine's address (what other engines' dependency checks name)."""
         self.failures = _u64(eng + lib.ar_engine_field(1))
-        self.address_of_signal: int = self.signal.ptr
-        """The address of the native signal of this engine's timeline."""
         self._last = _u64(eng + lib.ar_engine_field(3))
         assert isinstance(self.ranges, NativeRangeLog)
         self.ranges.bind(lib, eng)
@@ -200,7 +197,8 @@ class NativeEngine(Engine):
             if dep.cell is not None and dep.value == HELD:
                 lib.ar_pend_on_pend(pend, dep.pend, dep.cell.buffer_info()[0], dep_engine.address, not on_dispatch)
             elif not on_dispatch:
-                lib.ar_pend_on_sig(pend, dep_engine.address_of_signal, dep.value)
+                assert isinstance(dep_engine.signal, NativeSignal)
+                lib.ar_pend_on_sig(pend, dep_engine.signal.ptr, dep.value)
         lib.ar_pend_go(pend)
 
     def _pack(self, cmds: list[Command], op: Op) -> tuple[bytes, int, list[Any] | None]:
