@@ -395,6 +395,11 @@ class Engine:
     def retire(self) -> None:
         """Bring the errors of finished ops up to date (see the class docstring); nothing to do by default."""
 
+    def failure_logged(self, op: Op) -> bool:
+        """Whether this engine has logged ``op``'s failure before marking it done (see :func:`check_deps`);
+        an engine that sets errors before its signal advances never has."""
+        return False
+
     def check_open(self, what: str) -> None:
         """Raise :class:`DeviceError` (naming ``what``) if the engine is closed or has crashed."""
         if self.closed:
@@ -479,13 +484,19 @@ def _run_later(engine: Engine, op: Op, later: list[tuple[bool, Callable[[], None
 def check_deps(op: Op, settle: bool = True) -> None:
     """Raise :class:`DependencyError` if an op whose output ``op`` consumes failed.
 
-    Engines call it before they run ``op`` or deliver its result. With ``settle`` (on an engine's thread) an
-    input not yet done is waited for first, so that its failure is known: a driver may have run ``op`` after
-    the input's commands before the input's own engine completed it. Without it (on the submitting thread,
-    which never blocks) only inputs already done are checked.
+    Engines call it before they run ``op`` or deliver its result. An input not yet done counts as failed if
+    its engine has already logged its failure (:meth:`Engine.failure_logged`: the native core logs it before
+    the input's value is published, and may hand ``op`` on in between). With ``settle`` (on a completion
+    thread) an input not yet done is waited for, so that its failure is known: a driver may have run ``op``
+    after the input's commands before the input's own engine completed it. Without it (on the submitting
+    thread, which never blocks, and on engine threads, whose waits already ordered ``op`` after what it reads)
+    the other inputs not yet done are left alone.
     """
     for dep in op.inputs:
         if dep.error is None and not dep.done():  # an error, once set, is final
+            engine = dep.engine
+            if engine is not None and engine.failure_logged(dep):
+                raise DependencyError(f"{op.name} was not run: it depends on {dep.name}, which failed", dep.name)
             if not settle:
                 continue
             dep.wait_done()

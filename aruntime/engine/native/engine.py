@@ -371,6 +371,16 @@ class NativeEngine(Engine):
         op.keep = op.cmds = None
         op.deps = op.inputs = ()
 
+    def failure_logged(self, op: Op) -> bool:
+        """Whether the core has logged ``op``'s failure (it does before it publishes the op's value)."""
+        value = op.value if op.value != HELD or op.cell is None else op.cell[0]
+        if not value or value in (HELD, ABANDONED):
+            return False
+        with self._retire_lock:
+            if self.failures[0] != self.failures_seen:
+                self._take_failures()
+            return value in self._failed
+
     def _take_failures(self) -> None:
         for value, index, kind, status in _records(self._lib.ar_take_failures, self.address):
             self.failures_seen += 1
