@@ -12,7 +12,7 @@ from aruntime.allocator import DEFAULT_SPEC, Allocator, BufferSpec, defer
 from aruntime.dtype import DType, dtypes
 from aruntime.errors import BufferUsageError
 from aruntime.hazards import AccessLog
-from aruntime.helpers import after_all, canonicalize, checkpoint
+from aruntime.helpers import after_all, canonicalize, checkpoint, zeroed
 
 if TYPE_CHECKING:
     from aruntime.device import BaseDevice
@@ -276,7 +276,7 @@ class Buffer:
             self._wait_idle()
             view: memoryview = as_buffer(handle, self.nbytes)
             return view
-        return self.copyout(memoryview(bytearray(self.nbytes)))
+        return self.copyout(zeroed(self.nbytes))
 
     def __dlpack__(
         self,

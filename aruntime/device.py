@@ -22,7 +22,7 @@ from aruntime.dtype import DType, dtypes
 from aruntime.engine import COPY, EXEC, Command, CommandQueue, CopyFn, Engine, Op, first_failure, make_engine
 from aruntime.errors import BufferUsageError, DeviceError, SignalTimeout
 from aruntime.events import DependencyEvent, DeviceEvent, recorder
-from aruntime.helpers import after_all, canonicalize, checkpoint, getenv, is_index, pin
+from aruntime.helpers import after_all, canonicalize, checkpoint, getenv, is_index, pin, zeroed
 
 PRIORITY = ("CUDA", "CPU", "CL")
 """Kinds tried in order for the default device (other kinds, NULL included, are the default only through
@@ -304,7 +304,7 @@ class BaseDevice:
         as float16 or bfloat16). ``hold``, ``window``: see :meth:`copyin`.
         """
         handle = self._check(buf, "copyout")
-        dest = typed(memoryview(bytearray(buf.nbytes)), buf.dtype) if into is None else into
+        dest = typed(zeroed(buf.nbytes), buf.dtype) if into is None else into
         try:
             holder, address, nbytes = pin(dest, writable=True)
         except BufferUsageError as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import mmap
 import os
 import re
 import threading
@@ -104,6 +105,19 @@ class _Export:
 # pointers &, function pointers X{}); Z followed by a float code is a complex number, not a pointer.
 _POINTER_CODES = re.compile(r"[OP&zX]|Z(?![efdg])")
 _FIELD_NAMES = re.compile(r":[^:]*:")  # the names of a struct format's fields (T{<d:price:})
+
+
+LAZY_ZEROS_MIN = 64 << 10
+"""From this many bytes, :func:`zeroed` maps fresh pages instead of filling a ``bytearray``."""
+
+
+def zeroed(nbytes: int) -> memoryview:
+    """A writable view of ``nbytes`` zero bytes that takes no time to make: from :data:`LAZY_ZEROS_MIN` bytes up,
+    anonymous pages the system zeroes when they are first written (by whoever writes them: a copy-out's worker,
+    not the event loop), below that a ``bytearray``."""
+    if nbytes < LAZY_ZEROS_MIN:
+        return memoryview(bytearray(nbytes))
+    return memoryview(mmap.mmap(-1, nbytes))
 
 
 def refuse_pointers(fmt: str, obj: object) -> None:

@@ -10,6 +10,15 @@ runs ``void kernel(float *out, const float *x, int64_t n, double scale)``. Buffe
 the definition; an int given for a floating-point parameter is converted, a float given for an integer one is
 refused, and an integer must fit its parameter's type. What the kernel does with its pointers is not checked.
 
+Where a CPU device's queues run is ``ARUNTIME_CPU_AFFINITY``: ``off`` (the default) leaves their threads
+wherever the system puts them; ``auto`` runs both queues of a device on one CPU, so that a kernel reads what
+the copy before it wrote from that CPU's cache, spreading devices over the CPUs the process may use
+(``os.sched_getaffinity``): ``CPU:N`` on the N-th, wrapping around when there are more devices than CPUs; a
+comma-separated list of CPU numbers spreads them over those. :attr:`CPUDevice.cpu` reads or moves one
+device's queues. Pinning is not the default because on a machine with few cores it costs more than the cache
+gains (docs/benchmarks.md has the figures): the event loop and the other queues then cannot move to a CPU
+that is free.
+
 Kernels are built with ``-O3 -march=native`` (the binary is cached under this machine's processor, so a cache
 shared between machines never loads code the processor cannot run); ``CPUDevice.flags`` (or
 ``ARUNTIME_CPU_FLAGS``, split on spaces) sets others.
@@ -19,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import re
 import struct
 import threading
@@ -267,6 +277,28 @@ class CPUProgram(Program):
         return self.entry, (holder, address)
 
 
+def default_cpu(name: str) -> int | None:
+    """The CPU the queues of the CPU device ``name`` run on by default (``ARUNTIME_CPU_AFFINITY``, see the
+    module docstring); None: unpinned."""
+    setting = getenv("CPU_AFFINITY", "off").strip().lower()
+    if setting == "off" or not hasattr(os, "sched_getaffinity"):
+        return None
+    allowed = os.sched_getaffinity(0)
+    if setting == "auto":
+        cpus = sorted(allowed)
+    else:
+        try:
+            cpus = [int(part) for part in setting.split(",")]
+        except ValueError:
+            cpus = []
+        if not cpus or not set(cpus) <= allowed:
+            raise ValueError(
+                f"environment variable ARUNTIME_CPU_AFFINITY={setting!r}: expected 'auto', 'off' or a "
+                f"comma-separated list of the CPUs this process may use ({sorted(allowed)})"
+            )
+    return cpus[int(name.partition(":")[2] or 0) % len(cpus)]
+
+
 class CPUDevice(BaseDevice):
     """Host memory, C kernels, a compute and a copy engine."""
 
@@ -277,10 +309,32 @@ class CPUDevice(BaseDevice):
     copy_fn = staticmethod(ctypes.memmove)
 
     def __init__(self, name: str) -> None:
+        cpu = default_cpu(name)  # a bad setting is refused before any thread starts
         super().__init__(name)
         flags = getenv("CPU_FLAGS", "")
         if flags:
             self.flags = tuple(flags.split())
+        self._cpu: int | None = None
+        self.cpu = cpu
+
+    @property
+    def cpu(self) -> int | None:
+        """The CPU this device's queues run on (None: wherever the system puts them). Setting it moves them;
+        a CPU the process may not use is a ``ValueError``. Default: see ``ARUNTIME_CPU_AFFINITY``."""
+        return self._cpu
+
+    @cpu.setter
+    def cpu(self, cpu: int | None) -> None:
+        if cpu is None and self._cpu is None:
+            return
+        allowed = os.sched_getaffinity(0)
+        if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, int) or cpu not in allowed):
+            raise ValueError(
+                f"{self.name}: cpu must be one of the CPUs this process may use {sorted(allowed)}, not {cpu!r}"
+            )
+        for engine in (self.compute, self.copy):
+            engine.pin(allowed if cpu is None else (cpu,))
+        self._cpu = cpu
 
     @property
     def flags(self) -> tuple[str, ...]:

@@ -13,11 +13,12 @@ hardware queues subclasses :class:`Engine` and maps the same commands onto them.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
 from array import array
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Collection, Generator, Sequence
 from typing import Any
 
 from aruntime.engine.signal import TimelineSignal, wait_registered
@@ -346,6 +347,8 @@ class Engine:
     """Whether :meth:`_enqueue` sets the op's value itself (else :meth:`push` numbers ops in order)."""
     pends = False
     """Whether :meth:`pend` takes ops that wait for others in the engine itself (the native engine)."""
+    thread_id = 0
+    """The native id of the thread that runs this engine's commands (see :meth:`pin`)."""
 
     def __init__(self, device: str, kind: str, timeout: float) -> None:
         self.device = device
@@ -387,6 +390,11 @@ class Engine:
         """Hand ``op`` to the engine once its ``blockers`` allow, each ``(on_dispatch, dependency)``: once the
         dependency has been handed to this engine, or else once it is done; only engines that :attr:`pends`."""
         raise NotImplementedError(f"{self.signal.name} cannot take pending ops")
+
+    def pin(self, cpus: Collection[int]) -> None:
+        """Run this engine's commands on ``cpus`` only (Linux; ``os.sched_getaffinity(0)`` of the process
+        to let it run anywhere again). An ``OSError`` names a CPU the process may not use."""
+        os.sched_setaffinity(self.thread_id, cpus)
 
     def _range_log(self) -> RangeLog:
         """The log this engine records its ranges in (see :mod:`aruntime.events`)."""

@@ -28,6 +28,7 @@ class ThreadEngine(Engine):
         self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(target=self._run, name=self.signal.name, daemon=True)
         self._thread.start()
+        self.thread_id = self._thread.native_id or 0
 
     def _enqueue(self, cmds: list[Command], op: Op | None) -> None:
         self._ops.append(op)

@@ -199,6 +199,20 @@ ROWS: list[Row] = [
         _open_with("ARUNTIME_MMAP_MIN", "0", "CPU"),
     ),
     Row(
+        "env ARUNTIME_CPU_AFFINITY",
+        "`4096`",
+        ValueError,
+        "ARUNTIME_CPU_AFFINITY='4096': expected 'auto', 'off' or a comma-separated list of the CPUs",
+        _open_with("ARUNTIME_CPU_AFFINITY", "4096", "CPU"),
+    ),
+    Row(
+        "dev.cpu =",
+        "`-1`",
+        ValueError,
+        "cpu must be one of the CPUs this process may use",
+        lambda c: setattr(c.cpu, "cpu", -1),
+    ),
+    Row(
         "env ARUNTIME_CACHELEVEL",
         "`-1`",
         ValueError,

@@ -30,6 +30,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -337,6 +338,7 @@ typedef struct ar_engine {
   _Atomic uint64_t fail_count;
   _Atomic uint64_t range_count;
   _Atomic uint64_t last; /* the value of the op appended last */
+  _Atomic int64_t tid;   /* the worker's thread id (for its CPU affinity), set before ar_engine_new returns */
   /* producers: Python's submissions and pending ops handed on by whichever thread met their last condition */
   pthread_mutex_t submit_lock;
   int stopped;
@@ -481,6 +483,7 @@ typedef int (*entry_fn)(const uint64_t *args);
 
 static void *worker(void *arg) {
   ar_engine *e = arg;
+  atomic_store(&e->tid, (int64_t)syscall(SYS_gettid));
   uint64_t skipping = 0; /* the value of an op whose rest is skipped after a failure */
   for (;;) {
     ar_cmd *c = next_cmd(e);
@@ -595,6 +598,7 @@ ar_engine *ar_engine_new(ar_sig *timeline, int64_t spin_ns) {
     return NULL;
   }
   e->started = 1;
+  while (!atomic_load(&e->tid)) sched_yield(); /* the thread id is there once the engine is */
   return e;
 }
 
@@ -947,6 +951,7 @@ size_t ar_engine_field(int which) {
     case 1: return offsetof(ar_engine, fail_count);
     case 2: return offsetof(ar_engine, range_count);
     case 3: return offsetof(ar_engine, last);
+    case 4: return offsetof(ar_engine, tid);
   }
   return 0;
 }

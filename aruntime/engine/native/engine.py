@@ -134,6 +134,7 @@ class NativeEngine(Engine):
         """The native engine's address (what other engines' dependency checks name)."""
         self.failures = _u64(eng + lib.ar_engine_field(1))
         self._last = _u64(eng + lib.ar_engine_field(3))
+        self.thread_id = int(_u64(eng + lib.ar_engine_field(4))[0])
         assert isinstance(self.ranges, NativeRangeLog)
         self.ranges.bind(lib, eng)
         self._submit = lib.ar_submit
