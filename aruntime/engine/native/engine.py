@@ -81,6 +81,20 @@ def _records(take: Callable[[int, int, int], int], eng: int) -> Iterator[tuple[i
             yield tuple(buf[4 * i : 4 * i + 4])
 
 
+def _work_record(cmd: Command, flags: int, op_id: int, index: int) -> bytes | None:
+    """The ring record of the kernel or copy ``cmd`` (command ``index`` of op ``op_id``), or None where it is a
+    Python callable (the engine's Python thread runs it)."""
+    fn = cmd[2]
+    name = _name_id(cmd[1]) if flags & F_RECORD else 0
+    if cmd[0] == EXEC and type(fn) is Entry:
+        return _RECORD.pack(K_EXEC, flags, fn.address, cmd[3][1], 0, 0, 0, op_id, name, index)
+    if id(fn) in _NOTHING:
+        return _RECORD.pack(K_NOP, flags, 0, 0, 0, 0, 0, op_id, name, index)
+    if cmd[0] == COPY and id(fn) in _NATIVE_COPIES:  # one memmove: chunks only let the Python engine yield the GIL
+        return _RECORD.pack(K_COPY, flags, cmd[3], cmd[4], cmd[5], 0, 0, op_id, name, index)
+    return None
+
+
 def _u64(address: int) -> memoryview:
     return memoryview((ctypes.c_uint64 * 1).from_address(address)).cast("B").cast("Q")
 
@@ -205,32 +219,39 @@ class NativeEngine(Engine):
     def _pack(self, cmds: list[Command], op: Op) -> tuple[bytes, int, list[Any] | None]:
         """The ring records of ``op``'s commands (their value is set by the core), how many, and what must be
         kept alive until the op has run."""
-        pack, value, op_id = _RECORD.pack, 0, op.id
+        op_id = op.id
         record = F_RECORD if recorder.enabled else 0
-        keep: list[Any] | None = None
         checked = not op.inputs
+        if checked and len(cmds) == 1 and cmds[0][0] >= EXEC:  # most ops: one kernel or copy, nothing to check
+            packed = _work_record(cmds[0], F_END | record, op_id, 0)
+            if packed is not None:
+                return packed, 1, None
+        pack = _RECORD.pack
+        keep: list[Any] | None = None
         last = len(cmds) - 1
         records: list[bytes] = []
         add = records.append
         if last < 0:
-            add(pack(K_NOP, F_END, 0, 0, 0, 0, value, op_id, 0, 0))
+            add(pack(K_NOP, F_END, 0, 0, 0, 0, 0, op_id, 0, 0))
         for i, cmd in enumerate(cmds):
             kind = cmd[0]
             flags = F_END if i == last else 0
             if kind == WAIT:
                 sig = cmd[1]
-                add(pack(K_WAIT, flags, sig.ptr, cmd[2], int(sig.timeout * 1e9), 0, value, op_id, 0, i))
+                add(pack(K_WAIT, flags, sig.ptr, cmd[2], int(sig.timeout * 1e9), 0, 0, op_id, 0, i))
                 checked = not op.inputs
                 continue
             if kind == SIGNAL:
-                add(pack(K_SIGNAL, flags, cmd[1].ptr, cmd[2], 0, 0, value, op_id, 0, i))
+                add(pack(K_SIGNAL, flags, cmd[1].ptr, cmd[2], 0, 0, 0, op_id, 0, i))
                 continue
             if kind == TIMESTAMP:
                 slot = array("q", [0])
                 keep = keep or []
                 keep.append((cmd[1], slot))
-                add(pack(K_TIMESTAMP, flags, slot.buffer_info()[0], 0, 0, 0, value, op_id, 0, i))
+                add(pack(K_TIMESTAMP, flags, slot.buffer_info()[0], 0, 0, 0, 0, op_id, 0, i))
                 continue
+            if kind not in (EXEC, COPY):
+                raise ValueError(f"{op.name}: unknown command kind {kind!r}")
             if not checked:
                 checked = True
                 pairs = self._check_pairs(op)
@@ -240,22 +261,12 @@ class NativeEngine(Engine):
                     keep.extend(dep.cell for dep in op.inputs if dep.cell is not None)
                     self._python_runs(op)
                     address, count = pairs.buffer_info()
-                    add(pack(K_CHECK, 0, address, count // 2, 0, 0, value, op_id, 0, i | CHECK_BIT))
-            fn = cmd[2]
-            name = _name_id(cmd[1]) if record else 0
-            flags |= record
-            if kind == EXEC and type(fn) is Entry:
-                add(pack(K_EXEC, flags, fn.address, cmd[3][1], 0, 0, value, op_id, name, i))
-            elif kind == COPY and id(fn) in _NATIVE_COPIES:
-                # one memmove: chunks only let the Python engine hand back the GIL
-                add(pack(K_COPY, flags, cmd[3], cmd[4], cmd[5], 0, value, op_id, name, i))
-            elif kind in (EXEC, COPY) and id(fn) in _NOTHING:
-                add(pack(K_NOP, flags, 0, 0, 0, 0, value, op_id, name, i))
-            elif kind in (EXEC, COPY):
+                    add(pack(K_CHECK, 0, address, count // 2, 0, 0, 0, op_id, 0, i | CHECK_BIT))
+            packed = _work_record(cmd, flags | record, op_id, i)
+            if packed is None:  # a Python callable: the engine's Python thread runs it
                 self._python_runs(op)
-                add(pack(K_PY, flags, 0, 0, 0, 0, value, op_id, name, i))
-            else:
-                raise ValueError(f"{op.name}: unknown command kind {kind!r}")
+                packed = pack(K_PY, flags | record, 0, 0, 0, 0, 0, op_id, _name_id(cmd[1]) if record else 0, i)
+            add(packed)
         return records[0] if len(records) == 1 else b"".join(records), len(records), keep
 
     def _python_runs(self, op: Op) -> None:
