@@ -19,15 +19,17 @@ from aruntime.errors import (
     BufferUsageError,
     CacheError,
     CompileError,
+    DeadlineExceeded,
     DependencyError,
     DeviceError,
     OpError,
+    OpSkipped,
     SchedulerFull,
     SignalTimeout,
 )
 from aruntime.graph import Graph, GraphRun, Param
 from aruntime.profile import Profile, host_range, install_atexit, profile
-from aruntime.scheduler import Scheduler
+from aruntime.scheduler import Request, Scheduler
 
 install_atexit()  # ARUNTIME_PROFILE=1: record everything and write the trace at exit
 
@@ -43,6 +45,7 @@ __all__ = [
     "CacheError",
     "CompileError",
     "DType",
+    "DeadlineExceeded",
     "DependencyError",
     "Device",
     "DeviceError",
@@ -51,9 +54,11 @@ __all__ = [
     "KernelError",
     "Op",
     "OpError",
+    "OpSkipped",
     "Param",
     "Profile",
     "Program",
+    "Request",
     "Scheduler",
     "SchedulerFull",
     "SignalTimeout",

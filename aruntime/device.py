@@ -10,6 +10,7 @@ import multiprocessing
 import pkgutil
 import threading
 import warnings
+from array import array
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Any, ClassVar, Protocol
 
@@ -20,6 +21,7 @@ from aruntime.buffer import Buffer, BufferScope, typed
 from aruntime.compiler import Compiler, check_source
 from aruntime.dtype import DType, dtypes
 from aruntime.engine import COPY, EXEC, Command, CommandQueue, CopyFn, Engine, Op, first_failure, make_engine
+from aruntime.engine.ops import SHARED
 from aruntime.errors import BufferUsageError, DeviceError, SignalTimeout
 from aruntime.events import DependencyEvent, DeviceEvent, recorder
 from aruntime.helpers import after_all, canonicalize, checkpoint, getenv, is_index, pin, zeroed
@@ -36,7 +38,10 @@ Bound = tuple[Callable[..., object], tuple[Any, ...]]
 class Window(Protocol):
     """Where ops wait for room before they are handed to their engines (a :class:`~aruntime.scheduler.Scheduler`):
     ``_admit(ops)`` admits them now (True) or refuses them (False); ``_queue_for_room(ops, go)`` then calls
-    ``go``, from any thread, once they are admitted."""
+    ``go``, from any thread, once they are admitted; ``_gate()`` is the gate of the ops submitted now (see
+    :func:`~aruntime.engine.ops.skip_error`)."""
+
+    def _gate(self) -> array[int]: ...
 
     def _admit(self, ops: Sequence[Op]) -> bool: ...
 
@@ -249,6 +254,9 @@ class BaseDevice:
             self.check_usable(name)
         engine.check_open(name)  # before the hazard logs learn of an op that would never run
         op = Op(name, (), keep, result)
+        gate = None if window is None else window._gate()
+        if gate is not None and engine.reads_gates:
+            op.gate = gate
         deps: list[Op] = []
         if reads or writes:
             inputs: list[Op] = []
@@ -258,6 +266,9 @@ class BaseDevice:
                 buf.log.access(buf.offset, buf.offset + buf.nbytes, True, False, op, engine, deps, inputs)
             if inputs:
                 op.inputs = inputs
+                for producer in inputs:  # an op whose output another request reads is never skipped
+                    if producer.gate is not None and producer.gate is not gate:
+                        producer.gate[SHARED] = 1
         admitted = window is None or window._admit((op,))
         if admitted and not deps:
             return engine.push(body, op)

@@ -45,5 +45,15 @@ class DependencyError(OpError):
         self.first = first
 
 
+class OpSkipped(OpError):
+    """An op did not run: the request (or scheduler) it was submitted in was cancelled before the op started
+    (see :meth:`~aruntime.scheduler.Scheduler.request`)."""
+
+
+class DeadlineExceeded(OpSkipped, SignalTimeout):
+    """A request's deadline passed: its ops that had not started by then were skipped (each with this error),
+    and awaiting inside the request raises it."""
+
+
 class SchedulerFull(AruntimeError):
     """A :class:`~aruntime.scheduler.Scheduler`'s queue of ops waiting for its window is full."""

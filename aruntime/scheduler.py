@@ -9,13 +9,18 @@ of it (backpressure), failures collected and raised at the latest on exit, and
 a shielded, bounded drain when the scope is cancelled.
 
 Its op methods are the devices' (same names, same rule): each returns the
-op's handle at once, and ``await handle`` is the result.
+op's handle at once, and ``await handle`` is the result. A server wraps each
+request's ops in :meth:`Scheduler.request`, so that the ops of a request whose
+client went away, or whose deadline passed, are skipped rather than run.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import threading
+import time
+from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -26,7 +31,8 @@ import anyio
 from aruntime.buffer import Buffer
 from aruntime.device import Program, transfer
 from aruntime.engine import Engine, Op, first_failure
-from aruntime.errors import OpError, SchedulerFull, SignalTimeout
+from aruntime.engine.ops import DEADLINE, SHARED, SKIP, new_gate
+from aruntime.errors import DeadlineExceeded, OpError, SchedulerFull, SignalTimeout
 from aruntime.helpers import after_all, checkpoint
 
 if TYPE_CHECKING:
@@ -51,7 +57,8 @@ class Scheduler:
     awaited. If the scope is cancelled or fails, ops still in the queue are
     dropped (awaiting one raises an :class:`~aruntime.errors.OpError`) and those
     in flight are waited for (shielded, at most ``drain_timeout`` seconds), so
-    nothing in use is freed. Entering, leaving, :meth:`room` and :meth:`drain`
+    nothing in use is freed; those in flight that have not started are skipped
+    (see :meth:`request`). Entering, leaving, :meth:`room` and :meth:`drain`
     are checkpoints even when there is nothing to wait for.
     """
 
@@ -72,6 +79,8 @@ class Scheduler:
         self._lock = threading.Lock()  # engine threads retire and admit too
         self._failed: list[Op] = []
         self._open = False
+        self._own_gate = new_gate()  # the gate of ops submitted outside any request
+        self._requests: set[Request] = set()  # open requests
 
     async def __aenter__(self) -> Scheduler:
         await checkpoint()
@@ -87,13 +96,53 @@ class Scheduler:
             if exc_type is None:
                 await self._wait_all()
             else:
+                for request in list(self._requests):
+                    request.skip()
+                _skip(self._own_gate)
                 self._drop_queued()
                 with anyio.CancelScope(shield=True), anyio.move_on_after(self.drain_timeout):
                     await self._wait_all()
         finally:
             self._open = False
+            self._own_gate = new_gate()
         if exc_type is None:
             self._raise_failures()
+
+    def request(self, deadline: float | None = None) -> Request:
+        """A scope for one request's ops: ``async with sched.request(deadline=0.5): ...``.
+
+        The ops the current task enqueues through this scheduler inside the block belong to the request. If
+        the block is left by an exception (the task was cancelled: its client went away; a failure), the
+        request's ops that have not started are *skipped*: their queue passes over them (their commands do
+        not run, their queue's signal still advances, the hazards they took part in resolve as if they ran)
+        and each fails with :class:`~aruntime.errors.OpSkipped`, counted in its engine's ``skipped``. Ops
+        already running finish. An op outside the request that reads what a skipped op would have written fails
+        with a :class:`~aruntime.errors.DependencyError` naming it; so that it never comes to that when
+        the reader came first, a request some of whose output is read by work outside it (another request, an
+        op outside any) is not skipped at all.
+
+        ``deadline`` (seconds from entering) bounds the whole block: when it passes, the block is cancelled and
+        raises :class:`~aruntime.errors.DeadlineExceeded` (a ``SignalTimeout``), and the queues skip the
+        request's ops not started by then, without waiting for the event loop. A skipped op counts as
+        observed: it is raised neither at the scheduler's exit nor by ``synchronize``.
+
+        The native and Python engines (CPU, NULL, DISK devices) skip; CL and CUDA queues run what was handed to
+        their driver. A request belongs to one task (a context variable carries it), and requests nest
+        (the innermost one owns the ops).
+        """
+        if deadline is not None and (
+            not isinstance(deadline, (int, float)) or isinstance(deadline, bool) or not deadline > 0
+        ):
+            raise ValueError(f"deadline must be a positive number of seconds, got {deadline!r}")
+        return Request(self, deadline)
+
+    def _gate(self) -> array[int]:
+        """The gate of an op submitted now: its task's innermost open request of this scheduler's, else the
+        scheduler's own."""
+        request = _current_request.get()
+        while request is not None and request.scheduler is not self:
+            request = request.outer
+        return self._own_gate if request is None else request.gate
 
     @property
     def in_flight(self) -> int:
@@ -285,3 +334,70 @@ class Scheduler:
         """Enqueue a replay of a captured :class:`~aruntime.graph.Graph` (see :meth:`Graph.replay`)."""
         self._check_open()
         return graph._replay(buffers, inputs, self)
+
+
+def _skip(gate: array[int]) -> bool:
+    """Tell the queues to skip the not yet started ops of ``gate``, unless work outside reads them."""
+    if gate[SHARED]:
+        return False
+    gate[SKIP] = 1
+    return True
+
+
+_current_request: contextvars.ContextVar[Request | None] = contextvars.ContextVar("aruntime_request", default=None)
+
+
+class Request:
+    """The ops one task submits through a scheduler inside ``async with sched.request():`` (see
+    :meth:`Scheduler.request`)."""
+
+    def __init__(self, scheduler: Scheduler, deadline: float | None) -> None:
+        self.scheduler = scheduler
+        self.deadline = deadline
+        """Seconds the block may take (None: no bound)."""
+        self.gate = new_gate()
+        self.outer: Request | None = None
+        self._scope: anyio.CancelScope | None = None
+        self._token: contextvars.Token[Request | None] | None = None
+
+    @property
+    def skipped(self) -> bool:
+        """Whether the queues were told to skip this request's ops not started."""
+        return bool(self.gate[SKIP])
+
+    def skip(self) -> bool:
+        """Skip this request's ops that have not started (as leaving the block by an exception does); False,
+        and nothing skipped, where work outside the request reads what they write."""
+        return _skip(self.gate)
+
+    async def __aenter__(self) -> Request:
+        await checkpoint()
+        if not self.scheduler._open:
+            raise RuntimeError("the scheduler is not open: use `async with Scheduler() as sched:`")
+        if self._token is not None:
+            raise RuntimeError("this request is already open")
+        if self.deadline is not None:
+            self.gate[DEADLINE] = time.monotonic_ns() + int(self.deadline * 1e9)
+            self._scope = anyio.CancelScope(deadline=anyio.current_time() + self.deadline)
+            self._scope.__enter__()
+        self.outer = _current_request.get()
+        self._token = _current_request.set(self)
+        self.scheduler._requests.add(self)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        assert self._token is not None
+        _current_request.reset(self._token)
+        self.scheduler._requests.discard(self)
+        if exc_type is not None:
+            self.skip()
+        if self._scope is None:
+            return False
+        swallowed = self._scope.__exit__(exc_type, exc, tb)
+        if self._scope.cancelled_caught:
+            raise DeadlineExceeded(
+                f"request deadline of {self.deadline:g} s passed: its ops that had not started were skipped"
+            )
+        return bool(swallowed)

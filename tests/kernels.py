@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import array
+import ctypes
+
+import anyio
 
 from aruntime import BaseDevice, Buffer, Program, dtypes
 
@@ -26,6 +29,15 @@ async def closed_gate(dev: BaseDevice) -> tuple[Program, Buffer]:
     return prog, flag
 
 
+async def gate_started(out: Buffer) -> None:
+    """Wait until the GATE kernel writing ``out`` (a CPU device's buffer) has started: it then runs, and an op
+    behind it on its queue has not started."""
+    seen = ctypes.c_int32.from_address(out.handle)
+    with anyio.fail_after(10):
+        while seen.value != -1:  # noqa: ASYNC110  (a kernel writes it: there is no event to wait on)
+            await anyio.sleep(0.001)
+
+
 SCALE = r"""
 #include <stdint.h>
 void kernel(float *out, const float *x, int64_t n, double s) {
@@ -40,9 +52,11 @@ void kernel(uint8_t *buf, int64_t n) { for (int64_t i = 0; i < n; i++) buf[i] +=
 
 GATE = r"""
 #include <stdint.h>
-/* Spin until the int32 at address `flag` becomes non-zero (bounded), then write what it saw to out[0]. */
+/* Write -1 to out[0] (it has started), spin until the int32 at address `flag` becomes non-zero (bounded), then
+ * write what it saw to out[0]. */
 void kernel(int32_t *out, int64_t flag, int64_t max_spins) {
   volatile int32_t *f = (volatile int32_t *)(intptr_t)flag;
+  *(volatile int32_t *)out = -1;
   int64_t i = 0;
   while (*f == 0 && i < max_spins) i++;
   out[0] = *f;

@@ -8,8 +8,19 @@ from typing import Any
 import anyio
 import pytest
 
-from aruntime import Buffer, DependencyError, Device, Graph, OpError, Program, Scheduler, SchedulerFull, dtypes
-from tests.kernels import ADD_ONE, SCALE, SPINS, Failing, closed_gate
+from aruntime import (
+    Buffer,
+    DependencyError,
+    Device,
+    Graph,
+    OpError,
+    OpSkipped,
+    Program,
+    Scheduler,
+    SchedulerFull,
+    dtypes,
+)
+from tests.kernels import ADD_ONE, SCALE, SPINS, Failing, closed_gate, gate_started
 
 pytestmark = pytest.mark.anyio
 
@@ -111,7 +122,7 @@ async def test_failure_fails_dependents_spares_independents_and_raises_on_exit()
     await dev.synchronize()  # the scheduler reported the failures: nothing left unobserved
 
 
-async def test_cancelled_scope_drops_queued_ops_and_waits_for_running() -> None:
+async def test_cancelled_scope_drops_queued_ops_skips_those_not_started_and_waits_for_running() -> None:
     dev, flag, gate = await _gate("CPU:2")
     add = await dev.compile(ADD_ONE)
     out = await dev.allocate(1, dtypes.int32)
@@ -128,13 +139,14 @@ async def test_cancelled_scope_drops_queued_ops_and_waits_for_running() -> None:
                     task_status.started(scope)
                     async with Scheduler(window=2) as sched:
                         submitted.append(sched.launch(gate, out, vals=(flag.handle, SPINS)))
-                        submitted.append(sched.launch(add, buf, vals=(16,)))
+                        submitted.append(sched.launch(add, buf, vals=(16,)))  # admitted, not started: skipped
                         dropped.append(sched.launch(add, buf, vals=(16,)))  # queued: never submitted
                         await anyio.sleep_forever()
                 in_drain.set()
 
             scope = await tg.start(pipeline)
             await anyio.wait_all_tasks_blocked()
+            await gate_started(out)
             last = dev.compute.last
             scope.cancel()
             await anyio.wait_all_tasks_blocked()
@@ -142,6 +154,8 @@ async def test_cancelled_scope_drops_queued_ops_and_waits_for_running() -> None:
             await dev.copyin(flag, array.array("i", [1]))
             await in_drain.wait()
     assert len(submitted) == 2 and all(op.done() for op in submitted)
+    assert submitted[0].error is None and isinstance(submitted[1].error, OpSkipped)
+    assert dev.compute.skipped >= 1
     assert dev.compute.last == last and buf.is_allocated()
     with pytest.raises(OpError, match="was dropped: its scheduler closed before it was admitted"):
         await dropped[0]
@@ -160,6 +174,7 @@ async def test_a_dropped_op_is_done_only_after_the_ops_it_waits_for() -> None:
             async with Scheduler(window=1, drain_timeout=0.1) as sched:
                 kernel = sched.launch(gate, out, vals=(flag.handle, SPINS))  # fills the window, writes out
                 dropped = sched.copyin(out, bytes(4))  # queued; the hazard log keeps it in place of the kernel
+                await gate_started(out)  # running: it is waited for, not skipped
                 raise RuntimeError("the pipeline failed")
         # the drain gave up on the kernel, which still writes out: the dropped copy-in must not count as done
         # yet, or freeing out would hand its memory back while the kernel uses it

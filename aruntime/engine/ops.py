@@ -22,7 +22,7 @@ from collections.abc import Callable, Collection, Generator, Sequence
 from typing import Any
 
 from aruntime.engine.signal import TimelineSignal, wait_registered
-from aruntime.errors import DependencyError, DeviceError, OpError, SignalTimeout
+from aruntime.errors import DeadlineExceeded, DependencyError, DeviceError, OpError, OpSkipped, SignalTimeout
 from aruntime.events import RangeLog, op_ids, recorder
 from aruntime.helpers import checkpoint
 
@@ -36,6 +36,37 @@ _log = logging.getLogger("aruntime")
 WAIT, SIGNAL, TIMESTAMP, EXEC, COPY = range(5)  # the engine relies on this order: control commands first
 Command = tuple[Any, ...]
 CopyFn = Callable[[int, int, int], object]
+
+
+SKIP, DEADLINE, SHARED = range(3)
+"""The words of an op's gate (``array("q")``, shared by the ops of one request): skip it if not started (non-zero),
+skip it if not started by this ``time.monotonic_ns()`` (0: no deadline), and whether work outside the request
+reads what its ops write (then they are never skipped)."""
+
+
+def new_gate(deadline_ns: int = 0) -> array[int]:
+    """A gate for the ops of one request (see :data:`SKIP`)."""
+    return array("q", [0, deadline_ns, 0])
+
+
+def skip_error(op: Op, deadline: bool) -> OpSkipped:
+    """The error of ``op``, skipped by its engine before it started (its gate said so, or its ``deadline``
+    passed). A skipped op counts as observed: nobody was left to read it."""
+    op.observed = True
+    if deadline:
+        return DeadlineExceeded(f"{op.name} was skipped: its request's deadline passed before it started")
+    return OpSkipped(f"{op.name} was skipped: its request was cancelled before it started")
+
+
+def gate_error(op: Op) -> OpSkipped | None:
+    """Whether ``op``'s gate says to skip it now (the error it then fails with), else None (an engine asks just
+    before the op's first copy or kernel)."""
+    gate = op.gate
+    if gate is None:
+        return None
+    if gate[DEADLINE] and time.monotonic_ns() >= gate[DEADLINE]:
+        return skip_error(op, True)
+    return skip_error(op, False) if gate[SKIP] else None
 
 
 class CommandQueue:
@@ -92,7 +123,8 @@ class Op:
     What an engine uses: ``cmds`` (the commands to run, until done), ``deps``
     (ops it is ordered after), ``inputs`` (ops whose output it consumes; see
     :func:`check_deps`), ``value`` (the engine signal
-    value that marks it done), ``engine``, and ``error`` (set when it fails).
+    value that marks it done), ``engine``, ``error`` (set when it fails), and
+    ``gate`` (see :func:`skip_error`).
     """
 
     __slots__ = (
@@ -101,6 +133,7 @@ class Op:
         "deps",
         "engine",
         "error",
+        "gate",
         "id",
         "inputs",
         "keep",
@@ -126,6 +159,7 @@ class Op:
         self.later: list[tuple[bool, Callable[[], None], object]] | None = None  # held: (on_dispatch, callback, where)
         self.cell: array[int] | None = None  # pending in the native core: where it writes the op's value
         self.pend = 0  # pending in the native core: its record there
+        self.gate: array[int] | None = None  # submitted in a request: see skip_error
         self.id = next(op_ids)
 
     def __repr__(self) -> str:
@@ -349,6 +383,11 @@ class Engine:
     """Whether :meth:`pend` takes ops that wait for others in the engine itself (the native engine)."""
     thread_id = 0
     """The native id of the thread that runs this engine's commands (see :meth:`pin`)."""
+    reads_gates = False
+    """Whether this engine skips an op whose gate says so before it starts (see :func:`skip_error`); one that does
+    not runs every op it was given."""
+    skipped = 0
+    """Ops this engine skipped because their gate said so."""
 
     def __init__(self, device: str, kind: str, timeout: float) -> None:
         self.device = device

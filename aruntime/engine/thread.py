@@ -7,7 +7,7 @@ import threading
 from collections import deque
 from time import perf_counter_ns
 
-from aruntime.engine.ops import EXEC, SIGNAL, WAIT, Command, Engine, Op, check_deps, run_copy
+from aruntime.engine.ops import EXEC, SIGNAL, WAIT, Command, Engine, Op, check_deps, gate_error, run_copy
 from aruntime.events import now_us, recorder
 
 
@@ -19,6 +19,8 @@ class ThreadEngine(Engine):
     sleeps on a pipe when it has nothing to do; a submission writes the pipe
     only then.
     """
+
+    reads_gates = True
 
     def __init__(self, device: str, kind: str, timeout: float, chunk: int = 8 << 20) -> None:
         super().__init__(device, kind, timeout)
@@ -85,6 +87,7 @@ class ThreadEngine(Engine):
     def _execute(self, op: Op) -> None:
         assert op.cmds is not None
         checked = not op.inputs
+        gated = op.gate is None
         cmds = op.cmds
         for i, cmd in enumerate(cmds):
             try:
@@ -98,6 +101,12 @@ class ThreadEngine(Engine):
                     else:
                         cmd[1].append(now_us())
                     continue
+                if not gated:  # the waits before it passed: from here on it starts, unless its request is gone
+                    gated = True
+                    skipped = gate_error(op)
+                    if skipped is not None:
+                        self.skipped += 1
+                        raise skipped
                 if not checked:
                     check_deps(op, settle=False)  # the waits before it passed
                     checked = True

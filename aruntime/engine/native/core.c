@@ -43,7 +43,7 @@
 
 enum { K_WAIT, K_SIGNAL, K_TIMESTAMP, K_COPY, K_EXEC, K_NOP, K_CHECK, K_PY, K_STOP };
 enum { F_END = 1, F_RECORD = 2 };
-enum { E_KERNEL = 1, E_TIMEOUT = 2, E_PYTHON = 3, E_ORDER = 4 };
+enum { E_KERNEL = 1, E_TIMEOUT = 2, E_PYTHON = 3, E_ORDER = 4, E_SKIPPED = 5, E_DEADLINE = 6 };
 
 static int64_t now_ns(void) {
   struct timespec ts;
@@ -339,6 +339,7 @@ typedef struct ar_engine {
   _Atomic uint64_t range_count;
   _Atomic uint64_t last; /* the value of the op appended last */
   _Atomic int64_t tid;   /* the worker's thread id (for its CPU affinity), set before ar_engine_new returns */
+  _Atomic uint64_t skipped; /* ops skipped by their gate */
   /* producers: Python's submissions and pending ops handed on by whichever thread met their last condition */
   pthread_mutex_t submit_lock;
   int stopped;
@@ -491,6 +492,18 @@ static void *worker(void *arg) {
     e->head_pos++;
     e->consumed++;
     if (cmd.kind == K_STOP) break;
+    if (cmd.d && cmd.kind >= K_COPY && cmd.kind <= K_PY && skipping != cmd.value) {
+      /* the op's first copy, kernel or check, its waits passed: d is its gate (skip flag, deadline ns) */
+      const int64_t *gate = (const int64_t *)(uintptr_t)cmd.d;
+      int kind = (gate[1] && now_ns() >= gate[1])          ? E_DEADLINE
+                 : __atomic_load_n(&gate[0], __ATOMIC_ACQUIRE) ? E_SKIPPED
+                                                               : 0;
+      if (kind) {
+        log_failure(e, &cmd, (uint32_t)kind, 0);
+        atomic_fetch_add(&e->skipped, 1);
+        skipping = cmd.value;
+      }
+    }
     if (skipping == cmd.value) {
       if (cmd.kind == K_SIGNAL) ar_sig_set((ar_sig *)(uintptr_t)cmd.a, cmd.b);
     } else {
@@ -517,8 +530,7 @@ static void *worker(void *arg) {
         case K_COPY: {
           char *dst = (char *)(uintptr_t)cmd.a;
           const char *src = (const char *)(uintptr_t)cmd.b;
-          uint64_t n = cmd.c, step = cmd.d ? cmd.d : n;
-          for (uint64_t off = 0; off < n; off += step) memmove(dst + off, src + off, n - off < step ? n - off : step);
+          memmove(dst, src, cmd.c);
           ranged = 1;
           break;
         }
@@ -952,6 +964,7 @@ size_t ar_engine_field(int which) {
     case 2: return offsetof(ar_engine, range_count);
     case 3: return offsetof(ar_engine, last);
     case 4: return offsetof(ar_engine, tid);
+    case 5: return offsetof(ar_engine, skipped);
   }
   return 0;
 }

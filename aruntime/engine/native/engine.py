@@ -41,13 +41,14 @@ from aruntime.engine.ops import (
     Op,
     check_deps,
     run_copy,
+    skip_error,
 )
 from aruntime.errors import OpError, SignalTimeout
 from aruntime.events import RangeEvent, RangeLog, recorder
 
 K_WAIT, K_SIGNAL, K_TIMESTAMP, K_COPY, K_EXEC, K_NOP, K_CHECK, K_PY, K_STOP = range(9)
 F_END, F_RECORD = 1, 2
-E_KERNEL, E_TIMEOUT, E_PYTHON, E_ORDER = 1, 2, 3, 4
+E_KERNEL, E_TIMEOUT, E_PYTHON, E_ORDER, E_SKIPPED, E_DEADLINE = 1, 2, 3, 4, 5, 6
 CHECK_BIT = 1 << 31
 TAG = 1 << 63
 """In a dependency check's (engine, value) pair: the value is read from the cell at this address."""
@@ -81,18 +82,27 @@ def _records(take: Callable[[int, int, int], int], eng: int) -> Iterator[tuple[i
             yield tuple(buf[4 * i : 4 * i + 4])
 
 
-def _work_record(cmd: Command, flags: int, op_id: int, index: int) -> bytes | None:
-    """The ring record of the kernel or copy ``cmd`` (command ``index`` of op ``op_id``), or None where it is a
-    Python callable (the engine's Python thread runs it)."""
+def _work_kind(cmd: Command) -> int:
+    """How the worker runs the kernel or copy ``cmd``: ``K_EXEC`` (a C entry), ``K_COPY`` (one memmove: chunks
+    only let the Python engine yield the GIL), ``K_NOP`` (nothing to do), or ``K_PY`` (a Python callable, run
+    by the engine's Python thread)."""
     fn = cmd[2]
-    name = _name_id(cmd[1]) if flags & F_RECORD else 0
     if cmd[0] == EXEC and type(fn) is Entry:
-        return _RECORD.pack(K_EXEC, flags, fn.address, cmd[3][1], 0, 0, 0, op_id, name, index)
+        return K_EXEC
     if id(fn) in _NOTHING:
-        return _RECORD.pack(K_NOP, flags, 0, 0, 0, 0, 0, op_id, name, index)
-    if cmd[0] == COPY and id(fn) in _NATIVE_COPIES:  # one memmove: chunks only let the Python engine yield the GIL
-        return _RECORD.pack(K_COPY, flags, cmd[3], cmd[4], cmd[5], 0, 0, op_id, name, index)
-    return None
+        return K_NOP
+    return K_COPY if cmd[0] == COPY and id(fn) in _NATIVE_COPIES else K_PY
+
+
+def _work_record(cmd: Command, kind: int, flags: int, op_id: int, index: int, gate: int) -> bytes:
+    """The ring record of the kernel or copy ``cmd`` run as ``kind`` (command ``index`` of op ``op_id``;
+    ``gate``: the address of the op's gate on its first one, else 0)."""
+    name = _name_id(cmd[1]) if flags & F_RECORD else 0
+    if kind == K_EXEC:
+        return _RECORD.pack(K_EXEC, flags, cmd[2].address, cmd[3][1], 0, gate, 0, op_id, name, index)
+    if kind == K_COPY:
+        return _RECORD.pack(K_COPY, flags, cmd[3], cmd[4], cmd[5], gate, 0, op_id, name, index)
+    return _RECORD.pack(kind, flags, 0, 0, 0, gate, 0, op_id, name, index)
 
 
 def _u64(address: int) -> memoryview:
@@ -134,6 +144,7 @@ class NativeEngine(Engine):
 
     assigns_values = True  # the core numbers ops: it also hands on pending ops itself
     pends = True
+    reads_gates = True
 
     def __init__(self, device: str, kind: str, timeout: float, chunk: int = 8 << 20, spin_ns: int = SPIN_NS) -> None:
         super().__init__(device, kind, timeout)
@@ -149,6 +160,7 @@ class NativeEngine(Engine):
         self.failures = _u64(eng + lib.ar_engine_field(1))
         self._last = _u64(eng + lib.ar_engine_field(3))
         self.thread_id = int(_u64(eng + lib.ar_engine_field(4))[0])
+        self._skipped = _u64(eng + lib.ar_engine_field(5))
         assert isinstance(self.ranges, NativeRangeLog)
         self.ranges.bind(lib, eng)
         self._submit = lib.ar_submit
@@ -173,6 +185,11 @@ class NativeEngine(Engine):
     def last(self) -> int:  # type: ignore[override]  # read-only here: the core numbers this engine's ops
         """The value of the op appended to the ring last (by a submission or by the core, for a pending op)."""
         return int(self._last[0])
+
+    @property
+    def skipped(self) -> int:  # type: ignore[override]  # read-only here: the core counts them
+        """Ops the worker skipped because their gate said so."""
+        return int(self._skipped[0])
 
     # ---- submission ---------------------------------------------------------------------------------
 
@@ -222,10 +239,11 @@ class NativeEngine(Engine):
         op_id = op.id
         record = F_RECORD if recorder.enabled else 0
         checked = not op.inputs
-        if checked and len(cmds) == 1 and cmds[0][0] >= EXEC:  # most ops: one kernel or copy, nothing to check
-            packed = _work_record(cmds[0], F_END | record, op_id, 0)
-            if packed is not None:
-                return packed, 1, None
+        gate = 0 if op.gate is None else op.gate.buffer_info()[0]
+        if checked and len(cmds) == 1 and cmds[0][0] >= EXEC:  # most ops: one kernel or copy
+            kind = _work_kind(cmds[0])
+            if kind != K_PY:
+                return _work_record(cmds[0], kind, F_END | record, op_id, 0, gate), 1, None
         pack = _RECORD.pack
         keep: list[Any] | None = None
         last = len(cmds) - 1
@@ -261,12 +279,13 @@ class NativeEngine(Engine):
                     keep.extend(dep.cell for dep in op.inputs if dep.cell is not None)
                     self._python_runs(op)
                     address, count = pairs.buffer_info()
-                    add(pack(K_CHECK, 0, address, count // 2, 0, 0, 0, op_id, 0, i | CHECK_BIT))
-            packed = _work_record(cmd, flags | record, op_id, i)
-            if packed is None:  # a Python callable: the engine's Python thread runs it
+                    add(pack(K_CHECK, 0, address, count // 2, 0, gate, 0, op_id, 0, i | CHECK_BIT))
+                    gate = 0
+            work = _work_kind(cmd)
+            if work == K_PY:
                 self._python_runs(op)
-                packed = pack(K_PY, flags | record, 0, 0, 0, 0, 0, op_id, _name_id(cmd[1]) if record else 0, i)
-            add(packed)
+            add(_work_record(cmd, work, flags | record, op_id, i, gate))
+            gate = 0
         return records[0] if len(records) == 1 else b"".join(records), len(records), keep
 
     def _python_runs(self, op: Op) -> None:
@@ -412,6 +431,8 @@ class NativeEngine(Engine):
                 f"{sig.name}: wait for value >= {cmd[2]} did not pass within {sig.timeout:g} s"
                 f" (signal value is {status})"
             )
+        elif kind in (E_SKIPPED, E_DEADLINE):
+            error = skip_error(op, kind == E_DEADLINE)
         elif kind == E_ORDER and cmd is not None:
             error = ValueError(f"{cmd[1].name}: timeline must increase (asked to set {cmd[2]})")
         else:
