@@ -21,6 +21,7 @@ from array import array
 from collections.abc import Callable, Collection, Generator, Sequence
 from typing import Any
 
+from aruntime.engine.metrics import summary
 from aruntime.engine.signal import TimelineSignal, wait_registered
 from aruntime.errors import DeadlineExceeded, DependencyError, DeviceError, OpError, OpSkipped, SignalTimeout
 from aruntime.events import RangeLog, op_ids, recorder
@@ -401,6 +402,7 @@ class Engine:
         self.crashed: DeviceError | None = None
         self._lock = threading.Lock()  # submissions
         self._failed_lock = threading.Lock()
+        self._mark = (time.monotonic_ns(), 0)  # (when, busy ns) at the last metrics() call
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.signal.name}>"
@@ -434,6 +436,39 @@ class Engine:
         """Run this engine's commands on ``cpus`` only (Linux; ``os.sched_getaffinity(0)`` of the process
         to let it run anywhere again). An ``OSError`` names a CPU the process may not use."""
         os.sched_setaffinity(self.thread_id, cpus)
+
+    def counters(self) -> tuple[int, int, Sequence[int], Sequence[int]]:
+        """What :meth:`metrics` reads: the value of the op the engine took last, the nanoseconds spent running
+        ops, and the histograms (see :mod:`aruntime.engine.metrics`) of queue and run times. An engine that keeps
+        none (the CL and CUDA driver queues) reports its signal's value, 0 and empty histograms."""
+        return self.signal.value, 0, (), ()
+
+    def metrics(self) -> dict[str, Any]:
+        """This queue's live metrics, as plain data: ``submitted`` ops (handed to the queue, or held for it),
+        ``queued`` (not taken yet, held ones included), ``running`` (taken, not done: 0 or 1), ``done`` (run),
+        ``skipped`` (see :func:`skip_error`), ``busy_s`` (seconds spent running ops), ``busy_share`` (the share
+        of the time since the previous call, or since the queue started, spent running ops), and the
+        ``queue_time`` and ``run_time`` histograms' ``count`` and ``p50_us``, ``p90_us``, ``p99_us``.
+        ``done + skipped + running + queued == submitted``; a failed op counts as done."""
+        skipped = self.skipped
+        value = self.signal.value
+        started, busy, queued_hist, run_hist = self.counters()
+        last = self.last
+        held = len(self.held)
+        now = time.monotonic_ns()
+        mark, mark_busy = self._mark
+        self._mark = (now, busy)
+        return {
+            "submitted": last + held,
+            "queued": last - started + held,
+            "running": started - value,
+            "done": value - skipped,
+            "skipped": skipped,
+            "busy_s": busy / 1e9,
+            "busy_share": (busy - mark_busy) / (now - mark) if now > mark else 0.0,
+            "queue_time": summary(queued_hist),
+            "run_time": summary(run_hist),
+        }
 
     def _range_log(self) -> RangeLog:
         """The log this engine records its ranges in (see :mod:`aruntime.events`)."""

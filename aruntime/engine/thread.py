@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from time import perf_counter_ns
+from collections.abc import Sequence
+from time import monotonic_ns, perf_counter_ns
 
+from aruntime.engine.metrics import HIST, bucket
 from aruntime.engine.ops import EXEC, SIGNAL, WAIT, Command, Engine, Op, check_deps, gate_error, run_copy
 from aruntime.events import now_us, recorder
 
@@ -26,6 +28,11 @@ class ThreadEngine(Engine):
         super().__init__(device, kind, timeout)
         self.chunk = chunk
         self._ops: deque[Op | None] = deque()
+        self._handed: deque[int] = deque()  # when each op in _ops was handed over (ns)
+        self._started = 0
+        self._busy = 0
+        self._queued_hist = [0] * HIST
+        self._run_hist = [0] * HIST
         self._idle = False  # the worker is (about to be) asleep on the pipe and must be woken
         self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(target=self._run, name=self.signal.name, daemon=True)
@@ -33,10 +40,15 @@ class ThreadEngine(Engine):
         self.thread_id = self._thread.native_id or 0
 
     def _enqueue(self, cmds: list[Command], op: Op | None) -> None:
+        self._handed.append(monotonic_ns())
         self._ops.append(op)
         if self._idle:
             self._idle = False
             os.write(self._wake_w, b"\0")  # the system call runs without the GIL
+
+    def counters(self) -> tuple[int, int, Sequence[int], Sequence[int]]:
+        """The metrics this engine keeps (see :meth:`Engine.counters`)."""
+        return self._started, self._busy, list(self._queued_hist), list(self._run_hist)
 
     def close(self) -> None:
         """Stop accepting work; wait until what was submitted has run (unless called from this engine's thread)."""
@@ -58,7 +70,13 @@ class ThreadEngine(Engine):
                 self._idle = False
                 break
             os.read(self._wake_r, 4096)  # sleeps without the GIL; extra bytes only cost a spare loop turn
-        return ops.popleft()
+        op = ops.popleft()
+        handed = self._handed.popleft()
+        if op is not None:
+            self._taken = monotonic_ns()
+            self._queued_hist[bucket(self._taken - handed)] += 1
+            self._started = op.value
+        return op
 
     def _run(self) -> None:
         get = self._next
@@ -74,6 +92,9 @@ class ThreadEngine(Engine):
                     error: BaseException | None = exc
                 else:
                     error = None
+                ran = monotonic_ns() - self._taken
+                self._run_hist[bucket(ran)] += 1
+                self._busy += ran
                 complete(op, error)
                 current = None
         except BaseException as exc:  # the engine's own code failed: nobody must be left waiting

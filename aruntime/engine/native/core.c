@@ -313,7 +313,17 @@ typedef struct {
   uint64_t op;    /* the op's id, for profile ranges */
   uint32_t name;  /* profile name id */
   uint32_t index; /* the command's index within its op */
+  int64_t t;      /* when it was appended to the ring (ns), for the queue-time histogram */
 } ar_cmd;
+
+/* ---- metrics: cheap histograms of nanoseconds, 8 buckets per power of two (within 12.5%) ------------------ */
+
+#define HIST 496
+static unsigned bucket(int64_t ns) {
+  if (ns < 8) return ns < 0 ? 0 : (unsigned)ns;
+  unsigned msb = 63u - (unsigned)__builtin_clzll((uint64_t)ns);
+  return (msb - 2) * 8 + (unsigned)((ns >> (msb - 3)) & 7);
+}
 
 typedef struct chunk {
   ar_cmd cmds[CHUNK];
@@ -340,6 +350,11 @@ typedef struct ar_engine {
   _Atomic uint64_t last; /* the value of the op appended last */
   _Atomic int64_t tid;   /* the worker's thread id (for its CPU affinity), set before ar_engine_new returns */
   _Atomic uint64_t skipped; /* ops skipped by their gate */
+  /* metrics, written by the worker only (Python reads them as they are: counts, not a snapshot) */
+  _Atomic uint64_t taken; /* the value of the op the worker took last */
+  _Atomic uint64_t busy_ns; /* time spent in ops, from their first record to their last */
+  _Atomic uint64_t queued_hist[HIST]; /* appended -> taken by the worker */
+  _Atomic uint64_t run_hist[HIST];    /* taken -> done */
   /* producers: Python's submissions and pending ops handed on by whichever thread met their last condition */
   pthread_mutex_t submit_lock;
   int stopped;
@@ -486,12 +501,20 @@ static void *worker(void *arg) {
   ar_engine *e = arg;
   atomic_store(&e->tid, (int64_t)syscall(SYS_gettid));
   uint64_t skipping = 0; /* the value of an op whose rest is skipped after a failure */
+  uint64_t current = 0;  /* the value of the op being run */
+  int64_t taken = 0;     /* when the worker took it */
   for (;;) {
     ar_cmd *c = next_cmd(e);
     ar_cmd cmd = *c; /* the slot may be freed with its chunk once consumed */
     e->head_pos++;
     e->consumed++;
     if (cmd.kind == K_STOP) break;
+    if (cmd.value != current) {
+      current = cmd.value;
+      taken = now_ns();
+      atomic_fetch_add_explicit(&e->queued_hist[bucket(taken - cmd.t)], 1, memory_order_relaxed);
+      atomic_store_explicit(&e->taken, current, memory_order_relaxed);
+    }
     if (cmd.d && cmd.kind >= K_COPY && cmd.kind <= K_PY && skipping != cmd.value) {
       /* the op's first copy, kernel or check, its waits passed: d is its gate (skip flag, deadline ns) */
       const int64_t *gate = (const int64_t *)(uintptr_t)cmd.d;
@@ -577,6 +600,9 @@ static void *worker(void *arg) {
     }
     if (cmd.flags & F_END) {
       if (skipping == cmd.value) skipping = 0;
+      int64_t ran = now_ns() - taken;
+      atomic_fetch_add_explicit(&e->run_hist[bucket(ran)], 1, memory_order_relaxed);
+      atomic_fetch_add_explicit(&e->busy_ns, (uint64_t)ran, memory_order_relaxed);
       ar_sig_set(e->timeline, cmd.value);
     }
   }
@@ -636,6 +662,7 @@ static int append(ar_engine *e, const ar_cmd *cmds, uint32_t n, uint64_t value) 
     }
     atomic_store_explicit(&e->tail->next, first, memory_order_release);
   }
+  int64_t t = now_ns();
   for (uint32_t i = 0; i < n; i++) {
     if (e->tail_pos == CHUNK) {
       e->tail = atomic_load(&e->tail->next);
@@ -643,6 +670,7 @@ static int append(ar_engine *e, const ar_cmd *cmds, uint32_t n, uint64_t value) 
     }
     ar_cmd *slot = &e->tail->cmds[e->tail_pos++];
     *slot = cmds[i];
+    slot->t = t;
     if (value) slot->value = value;
   }
   atomic_fetch_add(&e->published, n);
@@ -965,6 +993,10 @@ size_t ar_engine_field(int which) {
     case 3: return offsetof(ar_engine, last);
     case 4: return offsetof(ar_engine, tid);
     case 5: return offsetof(ar_engine, skipped);
+    case 6: return offsetof(ar_engine, taken);
+    case 7: return offsetof(ar_engine, busy_ns);
+    case 8: return offsetof(ar_engine, queued_hist);
+    case 9: return offsetof(ar_engine, run_hist);
   }
   return 0;
 }

@@ -27,6 +27,7 @@ from typing import Any
 
 from aruntime.engine import native
 from aruntime.engine.kernel import _NATIVE_COPIES, _NOTHING, Entry, KernelError
+from aruntime.engine.metrics import HIST
 from aruntime.engine.native.signal import NativeSignal
 from aruntime.engine.ops import (
     ABANDONED,
@@ -52,8 +53,9 @@ E_KERNEL, E_TIMEOUT, E_PYTHON, E_ORDER, E_SKIPPED, E_DEADLINE = 1, 2, 3, 4, 5, 6
 CHECK_BIT = 1 << 31
 TAG = 1 << 63
 """In a dependency check's (engine, value) pair: the value is read from the cell at this address."""
-_RECORD = struct.Struct("=IIQQQQQQII")
-"""One command record, as core.c's ``ar_cmd``: kind, flags, a, b, c, d, op value, op id, name id, index."""
+_RECORD = struct.Struct("=IIQQQQQQII8x")
+"""One command record, as core.c's ``ar_cmd``: kind, flags, a, b, c, d, op value, op id, name id, index (and the
+time it is appended, which the core writes)."""
 RETIRE_EVERY = 64
 """Finished ops a submission lets pile up before it retires them (awaiting or observing an op retires it at once)."""
 SPIN_NS = 20_000
@@ -105,8 +107,13 @@ def _work_record(cmd: Command, kind: int, flags: int, op_id: int, index: int, ga
     return _RECORD.pack(kind, flags, 0, 0, 0, gate, 0, op_id, name, index)
 
 
+def _u64s(address: int, count: int) -> memoryview:
+    """The ``count`` 64-bit words of native memory at ``address``, read where they are."""
+    return memoryview((ctypes.c_uint64 * count).from_address(address)).cast("B").cast("Q")
+
+
 def _u64(address: int) -> memoryview:
-    return memoryview((ctypes.c_uint64 * 1).from_address(address)).cast("B").cast("Q")
+    return _u64s(address, 1)
 
 
 class NativeRangeLog(RangeLog):
@@ -161,6 +168,10 @@ class NativeEngine(Engine):
         self._last = _u64(eng + lib.ar_engine_field(3))
         self.thread_id = int(_u64(eng + lib.ar_engine_field(4))[0])
         self._skipped = _u64(eng + lib.ar_engine_field(5))
+        self._started = _u64(eng + lib.ar_engine_field(6))
+        self._busy = _u64(eng + lib.ar_engine_field(7))
+        self._queued_hist = _u64s(eng + lib.ar_engine_field(8), HIST)
+        self._run_hist = _u64s(eng + lib.ar_engine_field(9), HIST)
         assert isinstance(self.ranges, NativeRangeLog)
         self.ranges.bind(lib, eng)
         self._submit = lib.ar_submit
@@ -190,6 +201,10 @@ class NativeEngine(Engine):
     def skipped(self) -> int:  # type: ignore[override]  # read-only here: the core counts them
         """Ops the worker skipped because their gate said so."""
         return int(self._skipped[0])
+
+    def counters(self) -> tuple[int, int, Sequence[int], Sequence[int]]:
+        """The core's metrics (see :meth:`Engine.counters`), read from native memory."""
+        return int(self._started[0]), int(self._busy[0]), self._queued_hist.tolist(), self._run_hist.tolist()
 
     # ---- submission ---------------------------------------------------------------------------------
 
