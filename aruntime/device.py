@@ -15,14 +15,13 @@ from typing import Any, ClassVar, Protocol
 
 import anyio
 
-from aruntime.allocator import Allocator, BufferSpec
-from aruntime.buffer import Buffer, BufferScope, typed
-from aruntime.compiler import Compiler, check_source
+from aruntime.compile import Compiler, check_source
 from aruntime.dtype import DType, dtypes
 from aruntime.engine import COPY, EXEC, Command, CommandQueue, CopyFn, Engine, Op, first_failure, make_engine
 from aruntime.errors import BufferUsageError, DeviceError, SignalTimeout
 from aruntime.events import DependencyEvent, DeviceEvent, recorder
-from aruntime.helpers import after_all, canonicalize, checkpoint, getenv, is_index, pin
+from aruntime.helpers import after_all, canonicalize, checkpoint, getenv, is_index
+from aruntime.memory import Allocator, Buffer, BufferScope, BufferSpec, open_devices_with, pin, typed
 
 PRIORITY = ("CUDA", "CPU", "CL")
 """Kinds tried in order for the default device (other kinds, NULL included, are the default only through
@@ -802,6 +801,7 @@ class _Registry:
 
 Device = _Registry()
 """The device registry: ``Device["CPU:1"]``, ``Device.DEFAULT``, ``Device.opened``."""
+open_devices_with(Device.__getitem__)  # a buffer opens its device here
 
 
 def is_dtype_supported(dtype: DType, device: str | None = None) -> bool:

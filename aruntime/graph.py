@@ -17,7 +17,6 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aruntime.buffer import Buffer, typed
 from aruntime.device import (
     BaseDevice,
     Program,
@@ -30,7 +29,8 @@ from aruntime.device import (
 from aruntime.engine import COPY, EXEC, SIGNAL, TIMESTAMP, WAIT, Command, Engine, Op, TimelineSignal, first_failure
 from aruntime.errors import BufferUsageError, DeviceError, SignalTimeout
 from aruntime.events import GraphEntry, GraphEvent, recorder
-from aruntime.helpers import after_all, pin
+from aruntime.helpers import after_all
+from aruntime.memory import Buffer, pin, typed
 
 _graph_ids = itertools.count(1)
 

@@ -16,7 +16,6 @@ from typing import Any
 
 import anyio
 
-from aruntime.allocator import BufferSpec, LRUAllocator
 from aruntime.backends.ray.host import actor_class
 from aruntime.backends.ray.wire import (
     RemoteHandle,
@@ -27,13 +26,13 @@ from aruntime.backends.ray.wire import (
     ray,
     unpack_error,
 )
-from aruntime.buffer import Buffer
 from aruntime.device import BaseDevice, Program, Window, _indices, check_scalars
 from aruntime.dtype import DType, dtypes
 from aruntime.engine import COPY, EXEC, SIGNAL, WAIT, Command, Engine, Op, check_deps
 from aruntime.errors import BufferUsageError, DeviceError, OpError, SignalTimeout
 from aruntime.events import DeviceEvent, RangeEvent, now_us, recorder
 from aruntime.helpers import after_all, canonicalize, checkpoint
+from aruntime.memory import Buffer, BufferSpec, LRUAllocator
 from aruntime.profile.align import Sample, estimate_offset
 
 MAX_CONCURRENCY = 10_000
