@@ -11,7 +11,9 @@ aruntime imports one.
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from types import ModuleType
 
@@ -156,3 +158,19 @@ def test_type_checking_imports_and_function_imports(tmp_path: Path) -> None:
     assert graph["aruntime.sub"] == {"aruntime.sub.leaf"}
     assert graph["aruntime.sub.leaf"] == {"aruntime.low", "aruntime.sub.other"}  # not the TYPE_CHECKING one
     assert graph["aruntime.sub.other"] == {"aruntime.low"}
+
+
+@pytest.mark.parametrize("old", sorted(RETIRED))
+def test_an_old_path_still_imports_with_a_warning(old: str) -> None:
+    code = textwrap.dedent(f"""
+        import importlib, warnings
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            old = importlib.import_module({old!r})
+        assert any(w.category is DeprecationWarning and {old!r} in str(w.message) for w in caught), caught
+        homes = [importlib.import_module(m) for m in {RETIRED[old]!r}]
+        for name in old.__all__:
+            assert any(getattr(home, name, None) is getattr(old, name) for home in homes), name
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr

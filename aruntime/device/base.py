@@ -46,6 +46,9 @@ class BaseDevice(Closing, ProfileHooks):
     :class:`Op`: ``await op`` is its result (the data, for a copy-out).
     Dependencies between ops come from the byte ranges of the buffers they read
     and write, and a wait is emitted only where a hazard crosses engines.
+    Closing, settling and the profile hook come from its bases,
+    :class:`~aruntime.device.closing.Closing` (with :class:`~aruntime.device.settling.Settling`) and
+    :class:`~aruntime.device.profiling.ProfileHooks`.
     """
 
     kind: ClassVar[str] = ""
