@@ -6,11 +6,8 @@ the buffers each op reads and writes.
 """
 
 from aruntime._version import __version__ as __version__
-from aruntime.allocator import BufferSpec
 from aruntime.batching import Batcher
-from aruntime.buffer import Buffer, BufferScope
 from aruntime.device import BaseDevice, Device, Program, is_dtype_supported, transfer
-from aruntime.dlpack import from_dlpack
 from aruntime.dtype import DType, dtypes
 from aruntime.engine import KernelError, Op
 from aruntime.errors import (
@@ -28,6 +25,7 @@ from aruntime.errors import (
     SignalTimeout,
 )
 from aruntime.graph import Graph, GraphRun, Param
+from aruntime.memory import Buffer, BufferScope, BufferSpec, from_dlpack
 from aruntime.profile import Profile, host_range, install_atexit, profile
 from aruntime.scheduler import Request, Scheduler
 

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 import anyio
 
-from aruntime.buffer import Buffer
 from aruntime.device import Device
 from aruntime.dtype import dtypes
 from aruntime.engine import native
 from aruntime.errors import DeviceError
+from aruntime.memory import Buffer
 
 DOUBLE_SOURCES = {
     "CPU": "#include <stdint.h>\n"

@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
 
         return run_demo(args)
     if args.command == "cache":
-        from aruntime.compile_cache import cache_clear, cache_info
+        from aruntime.compile import cache_clear, cache_info
 
         print(cache_info() if args.action == "info" else cache_clear())
         return 0

@@ -42,10 +42,10 @@ from typing import Any
 
 import anyio
 
-from aruntime.buffer import Buffer
 from aruntime.device import BaseDevice, Device, Program
 from aruntime.dtype import dtypes
 from aruntime.errors import AruntimeError
+from aruntime.memory import Buffer
 from aruntime.profile import profile
 from aruntime.profile.viewer import write_html
 from aruntime.scheduler import Scheduler

@@ -17,20 +17,25 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aruntime.buffer import Buffer, typed
-from aruntime.device import (
-    BaseDevice,
-    Program,
+from aruntime.device import BaseDevice, Program, check_scalar, check_scalars, transfer_device
+from aruntime.engine import (
+    COPY,
+    EXEC,
+    SIGNAL,
+    TIMESTAMP,
+    WAIT,
+    Command,
+    Engine,
+    Op,
+    TimelineSignal,
     Window,
-    check_scalar,
-    check_scalars,
     dispatch_when_ready,
-    transfer_device,
+    first_failure,
 )
-from aruntime.engine import COPY, EXEC, SIGNAL, TIMESTAMP, WAIT, Command, Engine, Op, TimelineSignal, first_failure
 from aruntime.errors import BufferUsageError, DeviceError, SignalTimeout
 from aruntime.events import GraphEntry, GraphEvent, recorder
-from aruntime.helpers import after_all, pin
+from aruntime.helpers import after_all
+from aruntime.memory import Buffer, pin, typed
 
 _graph_ids = itertools.count(1)
 

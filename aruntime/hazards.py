@@ -1,86 +1,13 @@
-"""Read/write hazard tracking over byte ranges of a root buffer."""
+"""Re-exports :mod:`aruntime.memory.hazards`, its new home, until the next release (see docs/migration.md)."""
 
-from __future__ import annotations
+import warnings
 
-from typing import TYPE_CHECKING
+from aruntime.memory.hazards import AccessLog
 
-if TYPE_CHECKING:
-    from aruntime.engine import Engine, Op
+warnings.warn(
+    "aruntime.hazards moved to aruntime.memory.hazards; the old path goes in the next release",
+    DeprecationWarning,
+    stacklevel=2,
+)
 
-
-class AccessLog:
-    """The in-flight accesses to one root buffer: (start, end, is_write, op).
-
-    A new access conflicts with an in-flight one when their byte ranges overlap
-    and at least one of them writes (read-after-write, write-after-read,
-    write-after-write): it must be ordered after it. The log stays short:
-    entries of finished ops are dropped, and so is every entry that a newer
-    access both covers and is ordered after (a write after anything it
-    conflicts with; a read after a read already handed to the same engine,
-    which runs in order), since waiting for the newer access then implies the
-    older one is done.
-
-    A write that *failed* stays in the log, finished or not, until a newer
-    write covers it: the bytes it should have written are not valid, so an op
-    that reads them is given the failed op as an *input*, and fails with a
-    :class:`~aruntime.errors.DependencyError` naming it. An op that writes them
-    (a copy-in, a transfer, a kernel's output: a kernel's ``outs`` count as
-    overwritten) does not inherit the failure, and makes them valid again.
-    """
-
-    __slots__ = ("entries",)
-
-    def __init__(self) -> None:
-        self.entries: list[tuple[int, int, bool, Op]] = []
-
-    def access(
-        self,
-        start: int,
-        end: int,
-        write: bool,
-        consumes: bool,
-        op: Op,
-        engine: Engine,
-        deps: list[Op],
-        inputs: list[Op],
-    ) -> None:
-        """Record that ``op``, bound for ``engine``, accesses [start, end).
-
-        Adds the ops it must be ordered after to ``deps``, and, when it
-        ``consumes`` the bytes (reads them), the ops that write them to ``inputs``.
-        """
-        live = []
-        for entry in self.entries:
-            s, e, w, other = entry
-            if not _matters(w, other):
-                continue  # finished and valid: nothing to order after or to inherit
-            overlap = s < end and start < e
-            if other.done():  # a failed write
-                if consumes and overlap and other not in inputs:
-                    inputs.append(other)
-            else:
-                if (write or w) and overlap and other not in deps and other is not op:
-                    deps.append(other)
-                if consumes and w and overlap and other not in inputs and other is not op:
-                    inputs.append(other)
-            if not (start <= s and e <= end and (write or (not w and other.engine is engine and other.dispatched))):
-                live.append(entry)
-        live.append((start, end, write, op))
-        self.entries = live
-
-    def conflicts_on(self, engine: Engine, start: int, end: int, write: bool) -> bool:
-        """Whether an access to [start, end) would have to wait for an in-flight op of ``engine``."""
-        for s, e, w, other in self.entries:
-            if other.engine is engine and (write or w) and s < end and start < e and not other.done():
-                return True
-        return False
-
-    def pending(self) -> list[Op]:
-        """The ops still in flight on this buffer."""
-        self.entries = [e for e in self.entries if _matters(e[2], e[3])]
-        return [e[3] for e in self.entries if not e[3].done()]
-
-
-def _matters(write: bool, op: Op) -> bool:
-    """Whether an access stays in the log: its op is in flight, or it is a write that failed."""
-    return not op.done() or (write and op.error is not None)
+__all__ = ["AccessLog"]

@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from aruntime.buffer import Buffer
 from aruntime.device import Program, transfer
 from aruntime.engine import Engine, Op, first_failure
 from aruntime.engine.ops import DEADLINE, SHARED, SKIP, new_gate
 from aruntime.errors import DeadlineExceeded, OpError, SchedulerFull, SignalTimeout
 from aruntime.helpers import after_all, checkpoint
+from aruntime.memory import Buffer
 
 if TYPE_CHECKING:
     from aruntime.graph import Graph, GraphRun

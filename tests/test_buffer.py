@@ -9,9 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 
-import aruntime.allocator as allocator_mod
+import aruntime.memory.allocator as allocator_mod
 from aruntime import AllocationError, Buffer, BufferSpec, BufferUsageError, Device, dtypes
-from aruntime.allocator import HostAllocator, LRUAllocator
+from aruntime.memory.allocator import HostAllocator, LRUAllocator
 
 
 def cpu_in_use() -> int:

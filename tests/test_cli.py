@@ -10,7 +10,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-import aruntime.compile_cache as compile_cache
+import aruntime.compile.cache as compile_cache
 from aruntime import Device
 from aruntime.cli import main
 

@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
-from aruntime import cc
-from aruntime.compile_cache import CACHE_VERSION, cache_close, cache_get, cache_path, cache_put
-from aruntime.compiler import Compiler
+from aruntime.compile import cc
+from aruntime.compile.cache import CACHE_VERSION, cache_close, cache_get, cache_path, cache_put
+from aruntime.compile.compiler import Compiler
 from aruntime.errors import CacheError, CompileError
 
 posix_only = pytest.mark.skipif(os.name != "posix", reason="POSIX permissions")

@@ -25,8 +25,8 @@ import pytest
 
 import aruntime
 from aruntime import DependencyError, Device, OpError, Program, Scheduler, SignalTimeout, dtypes
-from aruntime.device import PRIORITY, dispatch_when_ready
-from aruntime.engine import KernelError
+from aruntime.device import PRIORITY
+from aruntime.engine import KernelError, dispatch_when_ready
 
 pytestmark = pytest.mark.anyio
 

@@ -11,7 +11,8 @@
   the cookbook are run by the serving tests below, against a real uvicorn server.
 * A block whose info string carries ``requires=KIND`` runs only where that device kind opens (e.g. CUDA);
   elsewhere it is skipped with the reason.
-* ``docs/api.md`` equals what ``docs/build_api.py`` generates now.
+* ``docs/api.md`` equals what ``docs/build_api.py`` generates now, and the package diagram in
+  ``docs/architecture.md`` what ``docs/build_architecture.py`` draws from the imports now.
 """
 
 from __future__ import annotations
@@ -250,6 +251,19 @@ def test_api_reference_is_current(tmp_path: Path) -> None:
     if stamp != now:  # signatures render differently across Python and pdoc versions
         pytest.skip(f"docs/api.md was generated with other versions: {stamp} (here: {now})")
     assert generated == committed, "docs/api.md is out of date: run python docs/build_api.py"
+
+
+def test_architecture_diagram_is_current() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(DOCS / "build_architecture.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    page = (DOCS / "architecture.md").read_text()
+    for package in ("memory", "compile", "engine", "device", "backends", "scheduler", "profile"):
+        assert f'{package}["{package}"]' in page, f"the package diagram has no {package}"
 
 
 # --- the serving example: uvicorn serving docs/cookbook.md's serve.py -----------------------------------

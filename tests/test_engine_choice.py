@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from aruntime.compile_cache import CACHE_VERSION, cache_close, cache_put
+from aruntime.compile.cache import CACHE_VERSION, cache_close, cache_put
 from aruntime.engine import native
 
 needs_native = pytest.mark.skipif(

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from aruntime import Buffer, BufferUsageError, Device, dtypes
-from aruntime.helpers import pin
+from aruntime.memory.pinning import pin
 
 
 def read(address: int, nbytes: int) -> bytes:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from aruntime import Device
+from aruntime.engine import clock as align
 from aruntime.events import (
     DependencyEvent,
     DeviceEvent,
@@ -21,7 +22,6 @@ from aruntime.events import (
     HostRangeEvent,
     RangeEvent,
 )
-from aruntime.profile import align
 from aruntime.profile.model import parse_trace
 from aruntime.profile.trace import atomic_write, build_trace, load_trace, pack_lanes, save_events, write_trace
 

@@ -40,13 +40,13 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from aruntime.allocator import BufferSpec, LRUAllocator
-from aruntime.compiler import Compiler
+from aruntime.compile import Compiler
 from aruntime.device import BaseDevice, Bound, Program
 from aruntime.dtype import DType, dtypes
 from aruntime.engine import EXEC, SIGNAL, TIMESTAMP, WAIT, Command, Engine, Op, TimelineSignal, check_deps
 from aruntime.errors import BufferUsageError, CompileError, DeviceError
 from aruntime.events import recorder
+from aruntime.memory import BufferSpec, LRUAllocator
 
 try:
     import numpy as np

@@ -36,13 +36,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aruntime import cc
-from aruntime.allocator import HostAllocator
-from aruntime.compiler import Compiler
+from aruntime.compile import Compiler, cc
 from aruntime.device import BaseDevice, Bound, Program
 from aruntime.engine import Entry
 from aruntime.errors import BufferUsageError, CompileError
-from aruntime.helpers import getenv, pin
+from aruntime.helpers import getenv
+from aruntime.memory import HostAllocator, pin
 
 FLAGS = ("-O3", "-march=native")
 """The default optimisation flags of CPU kernels."""

@@ -35,12 +35,12 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from aruntime.allocator import BufferSpec, LRUAllocator
-from aruntime.compiler import Compiler
+from aruntime.compile import Compiler
 from aruntime.device import BaseDevice, Bound, Program
 from aruntime.engine import EXEC, SIGNAL, TIMESTAMP, WAIT, Command, Engine, Op, TimelineSignal, check_deps
 from aruntime.errors import CompileError, DeviceError
 from aruntime.events import recorder
+from aruntime.memory import BufferSpec, LRUAllocator
 
 try:
     from cuda.bindings import driver, nvrtc

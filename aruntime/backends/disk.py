@@ -23,12 +23,11 @@ import os
 import threading
 from collections.abc import Sequence
 
-from aruntime.allocator import Allocator, BufferSpec, HostAddressed, Mappings
-from aruntime.buffer import Buffer
 from aruntime.device import BaseDevice, Program, Window
 from aruntime.dtype import DType
 from aruntime.engine import Op
 from aruntime.errors import AllocationError, DeviceError
+from aruntime.memory import Allocator, Buffer, BufferSpec, HostAddressed, Mappings
 
 
 def _reserve(fd: int, size: int, length: int) -> None:

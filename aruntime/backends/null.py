@@ -5,10 +5,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from aruntime.allocator import BufferSpec, LRUAllocator
-from aruntime.compiler import Compiler
+from aruntime.compile import Compiler
 from aruntime.device import BaseDevice, Bound, Program
 from aruntime.engine.kernel import register_native
+from aruntime.memory import BufferSpec, LRUAllocator
 
 
 class NullAllocator(LRUAllocator[int]):

@@ -1,15 +1,20 @@
-"""Timeline signals, command queues and the engines that run them.
+"""The engine layer: timeline signals, command queues, the engines that run them, and handing ops to them.
 
 Each device queue runs on an engine: the native engine (:mod:`aruntime.engine.native`: a C command processor
 per queue, signals in native memory, loops woken through a file descriptor) where the native core builds, else
 the Python :class:`ThreadEngine`. ``ARUNTIME_ENGINE=native|python`` forces one; :func:`engine_name` says which
-is in use. The rest of the runtime reaches engines only through :class:`Engine` and :func:`make_engine`.
+is in use. :func:`dispatch_when_ready` hands an op to its engine once the ops it depends on allow it;
+:mod:`~aruntime.engine.clock` maps an engine's timestamps onto the host clock. The rest of the runtime reaches
+engines only through :class:`Engine`, :func:`make_engine` and the names below.
 """
 
 from __future__ import annotations
 
 from aruntime.engine import native
+from aruntime.engine.clock import Sample, engine_offset, estimate_offset
+from aruntime.engine.dispatch import Window, dispatch_when_ready
 from aruntime.engine.kernel import Entry, KernelError
+from aruntime.engine.native.engine import NativeEngine
 from aruntime.engine.ops import (
     COPY,
     EXEC,
@@ -34,8 +39,6 @@ engine_name = native.engine_name
 def make_engine(device: str, kind: str, timeout: float, chunk: int) -> Engine:
     """A new engine for ``device``'s ``kind`` queue ("compute" or "copy"): native where the core is in use."""
     if native.lib() is not None:
-        from aruntime.engine.native.engine import NativeEngine
-
         return NativeEngine(device, kind, timeout, chunk=chunk)
     return ThreadEngine(device, kind, timeout, chunk=chunk)
 
@@ -53,11 +56,17 @@ __all__ = [
     "Engine",
     "Entry",
     "KernelError",
+    "NativeEngine",
     "Op",
+    "Sample",
     "ThreadEngine",
     "TimelineSignal",
+    "Window",
     "check_deps",
+    "dispatch_when_ready",
     "engine_name",
+    "engine_offset",
+    "estimate_offset",
     "first_failure",
     "make_engine",
     "wait_registered",

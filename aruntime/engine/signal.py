@@ -16,11 +16,22 @@ import time
 from collections.abc import Callable
 from functools import partial
 
+from aruntime.engine import native
 from aruntime.engine.wakeup import Waiter, asyncio_waker, trio_waker
 from aruntime.errors import SignalTimeout
 from aruntime.helpers import checkpoint
 
 _log = logging.getLogger("aruntime")
+
+_native_type: type[TimelineSignal] | None = None
+
+
+def use_native_signal(kind: type[TimelineSignal]) -> None:
+    """Make ``kind`` the signal ``TimelineSignal(name, timeout)`` makes where the native core is in use
+    (:mod:`aruntime.engine.native.signal` registers its :class:`NativeSignal` when it is imported, so that this
+    module, which it builds on, never imports it)."""
+    global _native_type
+    _native_type = kind
 
 
 class TimelineSignal:
@@ -38,14 +49,12 @@ class TimelineSignal:
 
     def __new__(cls, name: str, timeout: float) -> TimelineSignal:
         if cls is TimelineSignal:
-            from aruntime.engine import native
-
-            if native.lib() is not None:
-                from aruntime.engine.native.signal import NativeSignal
-
-                cls = NativeSignal
-            else:
+            if native.lib() is None:
                 cls = PySignal
+            elif _native_type is None:
+                raise RuntimeError("no native signal type is registered (importing aruntime.engine registers it)")
+            else:
+                cls = _native_type
         return object.__new__(cls)
 
     @property

@@ -23,10 +23,9 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from aruntime.engine.native.notify import Notified
+from aruntime.engine.native.notify import Notified, close_later
 
 _log = logging.getLogger("aruntime")
 
@@ -164,8 +163,6 @@ class AsyncioWaker(Waker):
         loop.call_soon_threadsafe(fn)
 
     def _start_notified(self) -> Notified:
-        from aruntime.engine.native.notify import Notified, close_later
-
         loop = self._loop()
         if loop is None:
             raise RuntimeError("the event loop is gone")
@@ -231,8 +228,6 @@ class TrioWaker(Waker):
 
     def _start_notified(self) -> Notified:
         import trio
-
-        from aruntime.engine.native.notify import Notified
 
         ended = [False]
         notified = Notified(self._resume_waiter, lambda: not ended[0])

@@ -23,10 +23,10 @@ from aruntime import (
     SignalTimeout,
     dtypes,
 )
-from aruntime.allocator import LRUAllocator
 from aruntime.engine import CommandQueue, Op, TimelineSignal
 from aruntime.events import DeviceEvent, RangeEvent, now_us
 from aruntime.graph import Graph, Param
+from aruntime.memory.allocator import LRUAllocator
 from aruntime.profile import profile
 from tests.conformance.kinds import Kind
 from tests.kernels import Failing

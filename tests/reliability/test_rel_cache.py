@@ -18,7 +18,7 @@ import anyio
 import pytest
 
 from aruntime import Device, dtypes
-from aruntime.compile_cache import _table_name, cache_close, cache_get, cache_put
+from aruntime.compile.cache import _table_name, cache_close, cache_get, cache_put
 from aruntime.errors import CacheError
 
 CONST = "#include <stdint.h>\nvoid kernel(int32_t *out) {{ out[0] = {value}; }}\n"
@@ -94,7 +94,7 @@ READER = textwrap.dedent(
     import array
     import anyio
     from aruntime import Device, dtypes
-    from aruntime.compile_cache import cache_get
+    from aruntime.compile.cache import cache_get
 
     async def main():
         dev = Device["CPU"]

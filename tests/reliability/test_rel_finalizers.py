@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-import aruntime.buffer
+import aruntime.memory.buffer
 from aruntime import Buffer, Device
 from aruntime.engine import native
 
@@ -70,7 +70,7 @@ async def test_a_buffer_collected_under_a_lock_that_freeing_takes_does_not_take_
     before = dev.memory_stats()["in_use"]
     garbage_buffer(4096)
     assert dev.memory_stats()["in_use"] == before + 4096
-    owner, name = (dev.allocator, "_lock") if lock == "allocator" else (aruntime.buffer, "_counter_lock")
+    owner, name = (dev.allocator, "_lock") if lock == "allocator" else (aruntime.memory.buffer, "_counter_lock")
     with collected_under(owner, name) as check:
         assert not check.reentered, f"the buffer's finalizer took the {lock} lock its thread held"
     assert dev.memory_stats()["in_use"] == before  # the free left to the next allocator call ran there

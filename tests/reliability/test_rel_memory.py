@@ -9,8 +9,8 @@ import anyio
 import pytest
 
 from aruntime import Device
-from aruntime.allocator import DEFAULT_CACHE_LIMIT, MMAP_MIN, HostAllocator
 from aruntime.engine import CommandQueue, Op, TimelineSignal
+from aruntime.memory.allocator import DEFAULT_CACHE_LIMIT, MMAP_MIN, HostAllocator
 from tests.reliability.measure import rss
 
 

@@ -16,7 +16,6 @@ from typing import Any
 
 import anyio
 
-from aruntime.allocator import BufferSpec, LRUAllocator
 from aruntime.backends.ray.host import actor_class
 from aruntime.backends.ray.wire import (
     RemoteHandle,
@@ -27,14 +26,14 @@ from aruntime.backends.ray.wire import (
     ray,
     unpack_error,
 )
-from aruntime.buffer import Buffer
-from aruntime.device import BaseDevice, Program, Window, _indices, check_scalars
+from aruntime.device import BaseDevice, Program, Window, check_scalars
+from aruntime.device.args import _indices
 from aruntime.dtype import DType, dtypes
-from aruntime.engine import COPY, EXEC, SIGNAL, WAIT, Command, Engine, Op, check_deps
+from aruntime.engine import COPY, EXEC, SIGNAL, WAIT, Command, Engine, Op, Sample, check_deps, estimate_offset
 from aruntime.errors import BufferUsageError, DeviceError, OpError, SignalTimeout
 from aruntime.events import DeviceEvent, RangeEvent, now_us, recorder
 from aruntime.helpers import after_all, canonicalize, checkpoint
-from aruntime.profile.align import Sample, estimate_offset
+from aruntime.memory import Buffer, BufferSpec, LRUAllocator
 
 MAX_CONCURRENCY = 10_000
 """Calls an actor runs at once (its ops; they wait for their turn, then for their op)."""

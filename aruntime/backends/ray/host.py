@@ -11,7 +11,6 @@ import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from aruntime.allocator import BufferSpec
 from aruntime.backends.ray.wire import (
     DONE,
     INLINE_MAX,
@@ -25,12 +24,12 @@ from aruntime.backends.ray.wire import (
     ray,
     unpack_error,
 )
-from aruntime.buffer import Buffer
 from aruntime.device import Device, Program
 from aruntime.dtype import dtypes
 from aruntime.engine import COPY, EXEC, Command, Op
 from aruntime.errors import AllocationError, BufferUsageError, DeviceError
 from aruntime.events import RangeEvent, now_us, recorder
+from aruntime.memory import Buffer, BufferSpec
 
 
 class HostActor:

@@ -1,7 +1,7 @@
 """The native core: ``core.c`` built with the system C compiler into the compile cache, loaded with ctypes.
 
 The core is built at first use (about half a second) through the cached compile of
-:class:`~aruntime.compiler.Compiler`, stored in the compile cache under the compiler's identity, the flags and
+:class:`~aruntime.compile.compiler.Compiler`, stored in the compile cache under the compiler's identity, the flags and
 the digest of its source, and loaded from there by every later process. A stored core that fails to load (a
 damaged or truncated binary, a stale version) is dropped and rebuilt, ``ARUNTIME_DISABLE_COMPILER_CACHE=1``
 builds it without touching the cache, and where the cache is unusable it is built without it, with a warning.
@@ -21,8 +21,7 @@ import warnings
 from ctypes import c_int, c_int64, c_size_t, c_uint32, c_uint64, c_void_p
 from importlib import resources
 
-from aruntime import cc
-from aruntime.compiler import Compiler
+from aruntime.compile import Compiler, cc
 from aruntime.errors import CacheError, DeviceError
 from aruntime.helpers import getenv
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from aruntime.engine import native
 from aruntime.engine.native import notify
 from aruntime.engine.native.notify import Notified, callback_thread
-from aruntime.engine.signal import TimelineSignal
+from aruntime.engine.signal import TimelineSignal, use_native_signal
 from aruntime.engine.wakeup import Waiter, Waker, asyncio_waker, trio_waker
 from aruntime.helpers import checkpoint
 
@@ -183,3 +183,6 @@ class NativeSignal(TimelineSignal):
         finally:
             if not woken:
                 tnotified.forget(self)
+
+
+use_native_signal(NativeSignal)

@@ -1,0 +1,371 @@
+"""The device base class: the awaitable op methods, and what a backend overrides.
+
+A backend subclass sets the class attributes (``kind``, ``allocator_type``, ``compiler_type``,
+``program_type``, ``copy_fn``...) and may override :meth:`BaseDevice.check_name`,
+:meth:`BaseDevice._kernel_source`, :meth:`BaseDevice._make_engine` and :meth:`BaseDevice.is_dtype_supported`.
+Closing, settling and the profile hook live in :mod:`~aruntime.device.closing`,
+:mod:`~aruntime.device.settling` and :mod:`~aruntime.device.profiling`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import anyio
+
+from aruntime.compile import Compiler, check_source
+from aruntime.device.args import _indices, _split, check_scalars
+from aruntime.device.closing import Closing
+from aruntime.device.profiling import ProfileHooks
+from aruntime.device.program import Program
+from aruntime.dtype import DType, dtypes
+from aruntime.engine import (
+    COPY,
+    EXEC,
+    Command,
+    CopyFn,
+    Engine,
+    NativeEngine,
+    Op,
+    ThreadEngine,
+    Window,
+    dispatch_when_ready,
+    make_engine,
+)
+from aruntime.engine.ops import SHARED
+from aruntime.errors import BufferUsageError, DeviceError
+from aruntime.helpers import checkpoint, getenv, is_index
+from aruntime.memory import Allocator, Buffer, BufferScope, BufferSpec, pin, typed
+from aruntime.memory.buffer import zeroed
+
+
+class BaseDevice(Closing, ProfileHooks):
+    """A device: allocator, compiler, program type, a compute engine and a copy engine.
+
+    Every op method submits at once and returns the op's handle, an
+    :class:`Op`: ``await op`` is its result (the data, for a copy-out).
+    Dependencies between ops come from the byte ranges of the buffers they read
+    and write, and a wait is emitted only where a hazard crosses engines.
+    Closing, settling and the profile hook come from its bases,
+    :class:`~aruntime.device.closing.Closing` (with :class:`~aruntime.device.settling.Settling`) and
+    :class:`~aruntime.device.profiling.ProfileHooks`.
+    """
+
+    kind: ClassVar[str] = ""
+    file_backed: ClassVar[bool] = False
+    program_type: ClassVar[type[Program]] = Program
+    allocator_type: ClassVar[type[Allocator[Any]]]
+    compiler_type: ClassVar[type[Compiler] | None] = None
+    copies_host: ClassVar[bool] = False
+    """Whether ``copy_fn`` also copies between this device's memory and host addresses (CL, CUDA): a transfer
+    between such a device and a host-mapped one runs on this device's copy engine."""
+    routes_transfers: ClassVar[bool] = False
+    """Whether this device runs every transfer into or out of it itself, whatever the other device (a remote
+    device: the bytes go between hosts)."""
+    copy_fn: CopyFn
+    """``copy_fn(dst, src, nbytes)`` copies between two of this device's handles (or host addresses)."""
+
+    def __init__(self, name: str) -> None:
+        self.check_name(name)
+        self.name = name
+        super().__init__()
+        self.allocator = self.allocator_type(name)
+        self.compiler = None if self.compiler_type is None else self.compiler_type()
+        timeout = getenv("WAIT_TIMEOUT", 30.0, minimum=0.001)
+        self.inline_copy_max: int = getenv("INLINE_COPY_MAX", 64 << 10, minimum=0)
+        """Copies up to this many bytes that depend on a running kernel go on the compute queue (0: never)."""
+        self.compute = self._make_engine("compute", timeout)
+        self.copy = self._make_engine("copy", timeout)
+
+    @classmethod
+    def check_name(cls, name: str) -> None:
+        """Raise :class:`DeviceError` unless ``name`` (canonical) is a name of this kind: ``KIND`` or ``KIND:N``
+        with N a non-negative int. A kind that takes another argument (DISK: a path) overrides it."""
+        arg = name.partition(":")[2]
+        if not is_index(arg):
+            raise DeviceError(
+                f"invalid device name {name!r}: a {cls.kind or name.partition(':')[0]} device is named "
+                f"KIND or KIND:N with N a non-negative int, not {arg!r}"
+            )
+
+    def _make_engine(self, kind: str, timeout: float) -> Engine:
+        return make_engine(self.name, kind, timeout, chunk=getenv("COPY_CHUNK", 8 << 20, minimum=1))
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a wait on this device's queues may take before it fails (``ARUNTIME_WAIT_TIMEOUT``, default 30)."""
+        return self.compute.signal.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not seconds > 0:
+            raise ValueError(f"{self.name}: timeout must be a positive number of seconds, got {seconds!r}")
+        self.compute.signal.timeout = self.copy.signal.timeout = float(seconds)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} ({self.engine_kind} engine)>"
+
+    @property
+    def engine_kind(self) -> str:
+        """Which engine runs this device's queues: ``native``, ``python`` or a backend's own (its class name)."""
+        kinds = {type(e) for e in (self.compute, self.copy)}
+        if kinds == {NativeEngine}:
+            return "native"
+        if kinds == {ThreadEngine}:
+            return "python"
+        return "/".join(sorted(k.__name__ for k in kinds))
+
+    # ---- capabilities -------------------------------------------------------------------------------
+
+    @property
+    def host_mapped(self) -> bool:
+        """Whether this device's buffers are host memory (CPU, DISK): a transfer runs between two host-mapped
+        devices, or within one device; a NULL buffer is not host memory."""
+        return self.allocator.host_mapped
+
+    def is_dtype_supported(self, dtype: DType) -> bool:
+        """Whether kernels of this device can use ``dtype``: every dtype but bfloat16 (and its vectors) unless a
+        backend says it really supports it."""
+        return dtype.scalar() != dtypes.bfloat16
+
+    # ---- memory -------------------------------------------------------------------------------------
+
+    async def allocate(self, size: int, dtype: DType = dtypes.uint8, spec: BufferSpec | None = None) -> Buffer:
+        """A new allocated buffer of ``size`` elements of ``dtype`` on this device.
+
+        ``size`` is a positive int (not a bool) and ``size * dtype.itemsize`` at most what the device can
+        address (:attr:`Allocator.max_bytes`); ``dtype`` is storable (:meth:`dtypes.is_storable`). A
+        file-backed device maps the file on a worker thread (file system calls); others allocate at once.
+        A checkpoint first: a cancelled call allocates nothing.
+        """
+        await checkpoint()
+        self.check_usable("allocate")
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise BufferUsageError(f"allocate on {self.name}: size must be a positive int of elements, got {size!r}")
+        if not dtypes.is_storable(dtype):
+            raise BufferUsageError(
+                f"allocate on {self.name}: {dtype!r} is not a storable dtype (a scalar or vector with a size; "
+                "not void, a pointer or an image)"
+            )
+        self.allocator.check_size(size * dtype.itemsize)
+        make = functools.partial(Buffer, self.name, size, dtype, spec, preallocate=True)
+        return await anyio.to_thread.run_sync(make) if self.file_backed else make()
+
+    def buffer(self, size: int, dtype: DType = dtypes.uint8, spec: BufferSpec | None = None) -> BufferScope:
+        """``async with dev.buffer(size, dtype) as buf:`` allocates ``buf`` and frees it on exit (also on
+        cancellation or an error), with :meth:`free`'s rule: never while an op may still use it."""
+        return BufferScope(self, size, dtype, spec)
+
+    def memory_stats(self) -> dict[str, int]:
+        """This device's memory counters (see :meth:`LRUAllocator.memory_stats`): bytes ``in_use``,
+        ``peak_in_use``, ``cached`` and ``cache_limit``, and counts of allocations, cache hits, frees,
+        evictions and flushes."""
+        return self.allocator.memory_stats()
+
+    def flush_cache(self) -> None:
+        """Really free the memory this device's allocator keeps cached for reuse (large host buffers go back to
+        the operating system); live buffers are untouched."""
+        free_cache = getattr(self.allocator, "free_cache", None)
+        if free_cache is not None:
+            free_cache()
+
+    async def free(self, buf: Buffer) -> None:
+        """Free ``buf``. It is unusable at once; its memory is released when its in-flight ops finish.
+
+        Waits for that release; cancelling the wait does not stop the release. A checkpoint even with
+        nothing to wait for, after the buffer is freed: a cancellation there does not undo the free.
+        """
+        self._check(buf, "free")
+        pending = buf.log.pending()
+        buf.deallocate()
+        if not pending:
+            await checkpoint()
+        for op in pending:
+            await op.settled()
+
+    # ---- ops ----------------------------------------------------------------------------------------
+
+    def _check(self, buf: Buffer, what: str) -> Any:
+        """``buf``'s handle, once ``buf`` is checked to be an allocated buffer of this device."""
+        if not isinstance(buf, Buffer):
+            raise BufferUsageError(f"{what}: expected a Buffer, got {type(buf).__name__}")
+        if buf.device != self.name:
+            raise BufferUsageError(f"{what}: {buf!r} belongs to {buf.device}, not {self.name}")
+        handle = buf.handle  # raises if unallocated or freed
+        owner = buf.base._owner
+        if owner is not self and owner is not None:
+            raise BufferUsageError(f"{what}: {buf!r} was allocated on a {self.name} that has been closed")
+        return handle
+
+    def _submit(
+        self,
+        engine: Engine,
+        name: str,
+        body: list[Command],
+        reads: Sequence[Buffer],
+        writes: Sequence[Buffer],
+        keep: Any,
+        result: Any = None,
+        hold: bool = False,
+        window: Window | None = None,
+    ) -> Op:
+        """Track the op's hazards and hand it to ``engine`` (see :func:`dispatch_when_ready`); through
+        ``window`` (held, as with ``hold``) once it admits the op."""
+        if self.state != "open":
+            self.check_usable(name)
+        engine.check_open(name)  # before the hazard logs learn of an op that would never run
+        op = Op(name, (), keep, result)
+        gate = None if window is None else window._gate()
+        if gate is not None and engine.reads_gates:
+            op.gate = gate
+        deps: list[Op] = []
+        if reads or writes:
+            inputs: list[Op] = []
+            for buf in reads:
+                buf.log.access(buf.offset, buf.offset + buf.nbytes, False, True, op, engine, deps, inputs)
+            for buf in writes:
+                buf.log.access(buf.offset, buf.offset + buf.nbytes, True, False, op, engine, deps, inputs)
+            if inputs:
+                op.inputs = inputs
+                for producer in inputs:  # an op whose output another request reads is never skipped
+                    if producer.gate is not None and producer.gate is not gate:
+                        producer.gate[SHARED] = 1
+        admitted = window is None or window._admit((op,))
+        if admitted and not deps:
+            return engine.push(body, op)
+        op.deps = deps
+        dispatch_when_ready([(engine, body, op)], hold or window is not None, None if admitted else window)
+        return op
+
+    def _copy_engine(self, buf: Buffer, write: bool) -> Engine:
+        """The copy queue, except for a small copy that must wait for a kernel anyway: it runs on the
+        compute queue right after that kernel, which saves a cross-queue hand-off per op."""
+        if buf.nbytes <= self.inline_copy_max and buf.log.conflicts_on(
+            self.compute, buf.offset, buf.offset + buf.nbytes, write
+        ):
+            return self.compute
+        return self.copy
+
+    def copyin(self, buf: Buffer, data: Any, hold: bool = False, window: Window | None = None) -> Op:
+        """Copy ``data`` (any C-contiguous buffer-protocol object of ``buf.nbytes`` bytes: bytes, array,
+        a numpy array...) into ``buf``; ``await`` the op for the copy to be done.
+
+        Zero-copy from the source: it is held, unresizable, until the copy is done.
+        Like every op method, it submits at once and returns the awaitable op. A
+        queue runs its ops in the order given; with ``hold``, an op that must wait
+        for another queue is kept off its queue until then, so later independent
+        ops go first (see :func:`dispatch_when_ready`). ``window``: the
+        :class:`~aruntime.scheduler.Scheduler` the op goes through (it is held).
+        """
+        handle = self._check(buf, "copyin")
+        holder, address, nbytes = pin(data)
+        if nbytes != buf.nbytes:
+            raise BufferUsageError(f"copyin: source has {nbytes} bytes, {buf!r} has {buf.nbytes}")
+        name = f"copyin {nbytes} B"
+        body: list[Command] = [(COPY, name, self.copy_fn, handle, address, nbytes)]
+        engine = self._copy_engine(buf, True)
+        return self._submit(engine, name, body, (), (buf,), (holder, buf), None, hold, window)
+
+    def copyout(self, buf: Buffer, into: Any = None, hold: bool = False, window: Window | None = None) -> Op:
+        """Copy ``buf`` to the host; ``await`` the op for the data.
+
+        The result is ``into`` (a writable, C-contiguous buffer-protocol object of
+        ``buf.nbytes`` bytes, such as a numpy array), or else a new memoryview cast
+        to the buffer's dtype (``tolist()``, indexing and ``numpy.asarray`` read it
+        as numbers; a byte view for a dtype :mod:`memoryview` cannot cast to, such
+        as float16 or bfloat16). ``hold``, ``window``: see :meth:`copyin`.
+        """
+        handle = self._check(buf, "copyout")
+        dest = typed(zeroed(buf.nbytes), buf.dtype) if into is None else into
+        try:
+            holder, address, nbytes = pin(dest, writable=True)
+        except BufferUsageError as exc:
+            raise BufferUsageError(f"copyout into: {exc}") from None
+        if nbytes != buf.nbytes:
+            raise BufferUsageError(f"copyout: destination has {nbytes} bytes, {buf!r} has {buf.nbytes}")
+        name = f"copyout {nbytes} B"
+        body: list[Command] = [(COPY, name, self.copy_fn, address, handle, nbytes)]
+        engine = self._copy_engine(buf, False)
+        return self._submit(engine, name, body, (buf,), (), (holder, buf), dest, hold, window)
+
+    def _transfer(self, dst: Buffer, src: Buffer, hold: bool, window: Window | None) -> Op:
+        """:func:`transfer` on this device's copy engine (the device :func:`transfer_device` picked)."""
+        src_dev, dst_dev = src.owner, dst.owner
+        src_handle = src_dev._check(src, "transfer")
+        dst_handle = dst_dev._check(dst, "transfer")
+        if dst.nbytes != src.nbytes:
+            raise BufferUsageError(f"transfer: {src!r} has {src.nbytes} bytes, {dst!r} has {dst.nbytes}")
+        name = f"transfer {src.nbytes} B {src_dev.name}->{dst_dev.name}"
+        body: list[Command] = [(COPY, name, self.copy_fn, dst_handle, src_handle, src.nbytes)]
+        return self._submit(self.copy, name, body, (src,), (dst,), (src, dst), None, hold, window)
+
+    async def compile(self, src: str, name: str = "kernel", outs: Sequence[int] | None = None) -> Program:
+        """Compile ``src`` off the event loop (through the compile cache) and load kernel ``name``.
+
+        ``outs`` lists the indices of the buffers the kernel writes (default: all).
+        """
+        if not isinstance(src, str) or not isinstance(name, str):
+            raise TypeError("compile: src and name must be str")
+        if not (name.isidentifier() and name.isascii()):
+            raise ValueError(f"compile on {self.name}: kernel name {name!r} is not a C identifier")
+        if outs is not None:
+            outs = _indices(f"compile {name}", outs)
+        self.check_usable(f"compile {name}")
+        if self.compiler is None:
+            raise DeviceError(f"{self.name} has no compiler")
+        compiler = self.compiler
+        check_source(src)
+        src = self._kernel_source(src, name)
+
+        def build() -> Program:
+            return compiler.compile_cached(src, load=lambda lib: self.program_type(self, name, lib, outs))
+
+        return await anyio.to_thread.run_sync(build)
+
+    def _kernel_source(self, src: str, name: str) -> str:
+        """What is compiled for kernel ``name`` of ``src`` (checked to be non-empty text): ``src`` itself; a
+        backend may check the kernel's definition here and add to it (the CPU backend adds its entry)."""
+        return src
+
+    def _launch_access(
+        self, prog: Program, bufs: Sequence[Buffer], outs: Sequence[int] | None
+    ) -> tuple[tuple[Buffer, ...], tuple[Buffer, ...]]:
+        """Check a launch's program and buffers; split the buffers into (read only, written)."""
+        if not isinstance(prog, Program) or prog.device is not self:
+            raise DeviceError(f"launch: {prog!r} is not a program of {self.name}")
+        for i, buf in enumerate(bufs):
+            if not isinstance(buf, Buffer) or buf.device != self.name or not buf.is_allocated():
+                self._check(buf, f"launch {prog.name} argument {i}")  # raises the error that fits
+        written = prog.outs if outs is None else _indices(f"launch {prog.name}", outs)
+        if written is None:  # all written
+            return (), tuple(bufs)
+        try:
+            read_idx, write_idx = _split(len(bufs), written)
+        except ValueError:
+            raise ValueError(
+                f"launch {prog.name}: outs {sorted(written)} out of range for {len(bufs)} buffers"
+            ) from None
+        return tuple(map(bufs.__getitem__, read_idx)), tuple(map(bufs.__getitem__, write_idx))
+
+    def launch(
+        self,
+        prog: Program,
+        *bufs: Buffer,
+        vals: Sequence[int | float] = (),
+        outs: Sequence[int] | None = None,
+        hold: bool = False,
+        window: Window | None = None,
+    ) -> Op:
+        """Run ``prog`` on ``bufs`` and the scalar ``vals`` on the compute engine; ``await`` the op for the
+        kernel to be done.
+
+        ``outs`` (default: the program's, else all) are the indices of the buffers it writes;
+        the others are only read. ``hold``, ``window``: see :meth:`copyin`.
+        """
+        reads, writes = self._launch_access(prog, bufs, outs)
+        check_scalars(f"launch {prog.name}", vals)
+        fn, args = prog.bind([b._handle for b in bufs], vals)  # checked above: every handle is there
+        body: list[Command] = [(EXEC, prog.name, fn, args)]  # the op holds the buffers until it is done
+        return self._submit(self.compute, prog.name, body, reads, writes, bufs, None, hold, window)

@@ -1,0 +1,40 @@
+"""Programs: a compiled kernel of one device, and what a launch of it hands to the compute engine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from aruntime.device.base import BaseDevice
+
+Bound = tuple[Callable[..., object], tuple[Any, ...]]
+"""What :meth:`Program.bind` returns: the callable an engine runs for one launch, and its arguments."""
+
+
+class Program:
+    """A compiled kernel of one device; :meth:`bind` says what the compute engine calls for a launch."""
+
+    def __init__(self, device: BaseDevice, name: str, lib: bytes, outs: Sequence[int] | None = None) -> None:
+        self.device = device
+        self.name = name
+        self.lib = lib
+        self.outs = None if outs is None else tuple(outs)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} on {self.device.name}>"
+
+    def bind(self, addresses: Sequence[int], vals: Sequence[int | float]) -> Bound:
+        """What the compute engine calls for a launch on these buffer handles and scalars, and the arguments.
+
+        By default the program itself, with the handles and then the scalars. A
+        backend may return the kernel itself instead (no Python frame per
+        launch). A submitted launch holds the callable, not the program, until
+        it has run, so the callable must keep alive whatever the kernel needs.
+        """
+        return self, (*addresses, *vals)
+
+    def __call__(self, *args: Any) -> None:
+        """Run the kernel with :meth:`bind`'s arguments (on an engine thread); a backend that binds to
+        something else need not define it."""
+        raise NotImplementedError(f"{self!r}: launch it on its device, or call what bind() returns")
