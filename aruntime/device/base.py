@@ -164,6 +164,13 @@ class BaseDevice(Closing, ProfileHooks):
         evictions and flushes."""
         return self.allocator.memory_stats()
 
+    def metrics(self) -> dict[str, dict[str, Any]]:
+        """Live metrics of this device's queues, ``{"compute": {...}, "copy": {...}}``, kept without a profile
+        (see :meth:`Engine.metrics <aruntime.engine.Engine.metrics>`): ops submitted, queued, running, done and
+        skipped, the share of time each queue was busy since the previous call, and percentiles of how long ops
+        waited in the queue and ran. Plain data (ints, floats, None), ready for JSON or a metrics exporter."""
+        return {"compute": self.compute.metrics(), "copy": self.copy.metrics()}
+
     def flush_cache(self) -> None:
         """Really free the memory this device's allocator keeps cached for reuse (large host buffers go back to
         the operating system); live buffers are untouched."""

@@ -439,8 +439,9 @@ class Engine:
 
     def counters(self) -> tuple[int, int, Sequence[int], Sequence[int]]:
         """What :meth:`metrics` reads: the value of the op the engine took last, the nanoseconds spent running
-        ops, and the histograms (see :mod:`aruntime.engine.metrics`) of queue and run times. An engine that keeps
-        none (the CL and CUDA driver queues) reports its signal's value, 0 and empty histograms."""
+        ops (the one running so far included), and the histograms (see :mod:`aruntime.engine.metrics`) of queue
+        and run times. An engine that keeps none (the CL and CUDA driver queues) reports its signal's value, 0
+        and empty histograms."""
         return self.signal.value, 0, (), ()
 
     def metrics(self) -> dict[str, Any]:
@@ -465,7 +466,7 @@ class Engine:
             "done": value - skipped,
             "skipped": skipped,
             "busy_s": busy / 1e9,
-            "busy_share": (busy - mark_busy) / (now - mark) if now > mark else 0.0,
+            "busy_share": min(max((busy - mark_busy) / (now - mark), 0.0), 1.0) if now > mark else 0.0,
             "queue_time": summary(queued_hist),
             "run_time": summary(run_hist),
         }

@@ -30,6 +30,7 @@ class ThreadEngine(Engine):
         self._ops: deque[Op | None] = deque()
         self._handed: deque[int] = deque()  # when each op in _ops was handed over (ns)
         self._started = 0
+        self._taken = 0  # when the op running was taken (0: none runs)
         self._busy = 0
         self._queued_hist = [0] * HIST
         self._run_hist = [0] * HIST
@@ -48,7 +49,9 @@ class ThreadEngine(Engine):
 
     def counters(self) -> tuple[int, int, Sequence[int], Sequence[int]]:
         """The metrics this engine keeps (see :meth:`Engine.counters`)."""
-        return self._started, self._busy, list(self._queued_hist), list(self._run_hist)
+        taken = self._taken
+        running = max(monotonic_ns() - taken, 0) if taken else 0
+        return self._started, self._busy + running, list(self._queued_hist), list(self._run_hist)
 
     def close(self) -> None:
         """Stop accepting work; wait until what was submitted has run (unless called from this engine's thread)."""
@@ -95,6 +98,7 @@ class ThreadEngine(Engine):
                 ran = monotonic_ns() - self._taken
                 self._run_hist[bucket(ran)] += 1
                 self._busy += ran
+                self._taken = 0
                 complete(op, error)
                 current = None
         except BaseException as exc:  # the engine's own code failed: nobody must be left waiting

@@ -352,7 +352,8 @@ typedef struct ar_engine {
   _Atomic uint64_t skipped; /* ops skipped by their gate */
   /* metrics, written by the worker only (Python reads them as they are: counts, not a snapshot) */
   _Atomic uint64_t taken; /* the value of the op the worker took last */
-  _Atomic uint64_t busy_ns; /* time spent in ops, from their first record to their last */
+  _Atomic uint64_t busy_ns; /* time spent in ops done, from their first record to their last */
+  _Atomic int64_t taken_at; /* when the worker took the op it runs (0: it runs none) */
   _Atomic uint64_t queued_hist[HIST]; /* appended -> taken by the worker */
   _Atomic uint64_t run_hist[HIST];    /* taken -> done */
   /* producers: Python's submissions and pending ops handed on by whichever thread met their last condition */
@@ -512,6 +513,7 @@ static void *worker(void *arg) {
     if (cmd.value != current) {
       current = cmd.value;
       taken = now_ns();
+      atomic_store_explicit(&e->taken_at, taken, memory_order_relaxed);
       atomic_fetch_add_explicit(&e->queued_hist[bucket(taken - cmd.t)], 1, memory_order_relaxed);
       atomic_store_explicit(&e->taken, current, memory_order_relaxed);
     }
@@ -603,6 +605,7 @@ static void *worker(void *arg) {
       int64_t ran = now_ns() - taken;
       atomic_fetch_add_explicit(&e->run_hist[bucket(ran)], 1, memory_order_relaxed);
       atomic_fetch_add_explicit(&e->busy_ns, (uint64_t)ran, memory_order_relaxed);
+      atomic_store_explicit(&e->taken_at, 0, memory_order_relaxed);
       ar_sig_set(e->timeline, cmd.value);
     }
   }
@@ -997,6 +1000,7 @@ size_t ar_engine_field(int which) {
     case 7: return offsetof(ar_engine, busy_ns);
     case 8: return offsetof(ar_engine, queued_hist);
     case 9: return offsetof(ar_engine, run_hist);
+    case 10: return offsetof(ar_engine, taken_at);
   }
   return 0;
 }

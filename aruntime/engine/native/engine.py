@@ -23,6 +23,7 @@ import threading
 from array import array
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from time import monotonic_ns
 from typing import Any
 
 from aruntime.engine import native
@@ -170,6 +171,7 @@ class NativeEngine(Engine):
         self._skipped = _u64(eng + lib.ar_engine_field(5))
         self._started = _u64(eng + lib.ar_engine_field(6))
         self._busy = _u64(eng + lib.ar_engine_field(7))
+        self._taken_at = _u64(eng + lib.ar_engine_field(10))
         self._queued_hist = _u64s(eng + lib.ar_engine_field(8), HIST)
         self._run_hist = _u64s(eng + lib.ar_engine_field(9), HIST)
         assert isinstance(self.ranges, NativeRangeLog)
@@ -204,7 +206,9 @@ class NativeEngine(Engine):
 
     def counters(self) -> tuple[int, int, Sequence[int], Sequence[int]]:
         """The core's metrics (see :meth:`Engine.counters`), read from native memory."""
-        return int(self._started[0]), int(self._busy[0]), self._queued_hist.tolist(), self._run_hist.tolist()
+        busy, taken_at = int(self._busy[0]), int(self._taken_at[0])
+        running = max(monotonic_ns() - taken_at, 0) if taken_at else 0
+        return int(self._started[0]), busy + running, self._queued_hist.tolist(), self._run_hist.tolist()
 
     # ---- submission ---------------------------------------------------------------------------------
 
