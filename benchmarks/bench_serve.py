@@ -191,7 +191,7 @@ def _rows(runs: dict[str, list[dict[str, Any]]], loop: str, rounds: int, warmup:
         "server_loop": loop,
         "http": http_parser(),
         "client_loop": runs["echo"][0]["loop"],
-        "checked": sum(r["checked"] for handler_runs in runs.values() for r in handler_runs),
+        "checked": {handler: sum(r["checked"] for r in handler_runs) for handler, handler_runs in runs.items()},
         "rps_per_round": {handler: [round(r["rps"]) for r in handler_runs] for handler, handler_runs in runs.items()},
         "server_cpu_us_per_req": {
             handler: _per_request_us(handler_runs, "server_cpu_s") for handler, handler_runs in runs.items()
