@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import re
 import threading
@@ -63,6 +64,12 @@ def canonicalize(name: str) -> str:
     """
     if not isinstance(name, str):
         raise DeviceError(f"invalid device name {name!r}: not a str; {_EXPECTED}")
+    return _canonical(name)
+
+
+@functools.lru_cache(maxsize=1024)
+def _canonical(name: str) -> str:
+    """:func:`canonicalize` for a str (kept: every op on a buffer asks for its device's name)."""
     kind, sep, rest = name.partition(":")
     if not _KIND.fullmatch(kind):
         raise DeviceError(f"invalid device name {name!r}: no kind before ':'; {_EXPECTED}")
