@@ -12,7 +12,7 @@ user event that the waiting queue's completion thread sets once the signal passe
 Completion: one thread per queue blocks in ``clWaitForEvents`` (called through ctypes on the ICD
 loader pyopencl links, so the GIL is released while it blocks) on each op's last event, in order,
 then completes the op. That wait is :func:`wait_event`; the rest is the driver-queue engine's
-(:mod:`aruntime.backends.driver_queue`), which :class:`CLEngine` gives its OpenCL calls.
+(:mod:`aruntime.backends._driver_queue`), which :class:`CLEngine` gives its OpenCL calls.
 
 Kernels are OpenCL C. ``launch(prog, *bufs, vals=...)`` passes each buffer as a ``__global``
 pointer, then each scalar, checked against the kernel's declared parameter types before anything
@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from aruntime.allocator import BufferSpec, LRUAllocator
-from aruntime.backends.driver_queue import DriverDevice, DriverEngine, Span, launch_dims
+from aruntime.backends._driver_queue import DriverDevice, DriverEngine, Span, launch_dims
 from aruntime.compiler import Compiler
 from aruntime.device import BaseDevice, Bound, Program
 from aruntime.dtype import DType, dtypes

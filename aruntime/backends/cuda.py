@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from aruntime.allocator import BufferSpec, LRUAllocator
-from aruntime.backends.driver_queue import DriverDevice, Span, StagingPool, ThreadedDriverEngine, launch_dims
+from aruntime.backends._driver_queue import DriverDevice, Span, StagingPool, ThreadedDriverEngine, launch_dims
 from aruntime.compiler import Compiler
 from aruntime.device import BaseDevice, Bound, Program
 from aruntime.engine import EXEC, Command, Engine
