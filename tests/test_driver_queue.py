@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from aruntime.backends._driver_queue import Span, ThreadedDriverEngine
-from aruntime.engine import EXEC, CommandQueue, Command, Op, TimelineSignal
+from aruntime.engine import EXEC, Command, CommandQueue, Op, TimelineSignal
 from aruntime.errors import DependencyError, OpError
 from aruntime.events import recorder
 
