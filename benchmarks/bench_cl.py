@@ -14,23 +14,28 @@ A machine where CL does not open gets no rows (the reason goes to stderr).
 
 from __future__ import annotations
 
-import array
-import ctypes
-import functools
 import os
 import statistics
-import sys
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
-from aruntime import Device, Op
-from aruntime.device import BaseDevice
-from aruntime.errors import DeviceError
-from benchmarks.bench_engine import _memmoves, _stream, _threads_on_one_cpu, launch_vs_bare_wake
-from benchmarks.bench_scheduler import BLOCK, SLOTS, _allocate, _calibrate, _exec_seconds, _expected, double_buffered
-from benchmarks.common import Benchmark, Result, interleaved, result, settings, timed
+from benchmarks.bench_scheduler import BLOCK, WINDOW, _expected
+from benchmarks.common import (
+    Benchmark,
+    Pipeline,
+    Result,
+    alternated,
+    calibrate,
+    copy_bandwidth,
+    exec_seconds,
+    launch_vs_bare_wake,
+    open_devices,
+    ratio_goal,
+    result,
+    settings,
+    threads_on_one_cpu,
+)
 
 os.environ.setdefault("POCL_DEVICES", "pthread pthread")  # two PoCL devices for the pipeline
 
@@ -51,14 +56,6 @@ __kernel void passes(__global float *y, __global const float *x, long n, long wo
   }
 }
 """
-
-
-def _open(*names: str) -> list[BaseDevice] | None:
-    try:
-        return [Device[name] for name in names]
-    except DeviceError as exc:
-        print(f"bench_cl: skipped, {exc}", file=sys.stderr)
-        return None
 
 
 def _driver_roundtrip(dev: Any, count: int) -> float:
@@ -84,22 +81,22 @@ def _driver_roundtrip(dev: Any, count: int) -> float:
 
 async def cl_roundtrip() -> list[Result]:
     """Awaited empty CL kernel against a bare worker thread waking a future (all threads on one CPU)."""
-    devs = _open("CL")
+    devs = open_devices("bench_cl", "CL")
     if devs is None:
         return []
     dev = devs[0]
     n, repeats = (50, 3) if settings.quick else (400, 9)
     prog = await dev.compile(EMPTY, "empty")
-    with _threads_on_one_cpu():
+    with threads_on_one_cpu():
         value, baseline = await launch_vs_bare_wake(dev, prog, n, repeats)
         driver_us = _driver_roundtrip(dev, n) * 1e6
     ratio = value / baseline
-    return [result("cl_roundtrip", value, "us", baseline, ratio, "ratio <= 1.5", ratio <= 1.5, driver_us=driver_us)]
+    return [result("cl_roundtrip", value, "us", baseline, ratio, *ratio_goal(ratio, "<=", 1.5), driver_us=driver_us)]
 
 
 async def cl_copies() -> list[Result]:
     """CL copyin/copyout GB/s against plain memmove of the same size."""
-    devs = _open("CL")
+    devs = open_devices("bench_cl", "CL")
     if devs is None:
         return []
     dev = devs[0]
@@ -108,28 +105,17 @@ async def cl_copies() -> list[Result]:
     for size in sizes:
         count = max(1, (32 << 20) // size)
         repeats = 3 if settings.quick else 7
-        host_in, host_out, scratch = bytearray(b"\x5a") * size, bytearray(size), bytearray(size)
-        buf = await dev.allocate(size)
-        at = [ctypes.addressof((ctypes.c_char * size).from_buffer(b)) for b in (host_in, host_out, scratch)]
-        cases: dict[str, tuple[Callable[[], Op], tuple[int, int]]] = {
-            "copyin": (functools.partial(dev.copyin, buf, host_in), (at[2], at[0])),
-            "copyout": (functools.partial(dev.copyout, buf, host_out), (at[1], at[2])),
-        }
-        for direction, (submit, (dst, src)) in cases.items():
-            ours_s, base_s = await interleaved(
-                functools.partial(_stream, submit, count), functools.partial(_memmoves, dst, src, size, count), repeats
-            )
-            value, baseline = size * count / ours_s / 1e9, size * count / base_s / 1e9
+        figures = await copy_bandwidth(dev, size, count, repeats, host_addressed=False)
+        for direction, (value, baseline) in figures.items():
             ratio = value / baseline
             name = f"cl_{direction}_{size >> 20}MiB"
-            rows.append(result(name, value, "GB/s", baseline, ratio, "ratio >= 0.85", ratio >= 0.85, in_flight=count))
-        await dev.free(buf)
+            rows.append(result(name, value, "GB/s", baseline, ratio, *ratio_goal(ratio, ">=", 0.85), in_flight=count))
     return rows
 
 
 async def cl_pipeline() -> list[Result]:
     """Copy-in -> kernel -> copy-out batches over CL and CL:1: through a Scheduler against one by one."""
-    devs = _open("CL", "CL:1")
+    devs = open_devices("bench_cl", "CL", "CL:1")
     if devs is None:
         return []
     quick = settings.quick
@@ -137,37 +123,19 @@ async def cl_pipeline() -> list[Result]:
     batches, repeats = (6, 1) if quick else (32, 5)
     n = nbytes // 4
     progs = [await d.compile(PASSES, "passes", outs=(0,)) for d in devs]
-    xs = [await _allocate(d, SLOTS, n) for d in devs]
-    ys = [await _allocate(d, SLOTS, n) for d in devs]
-    srcs = [array.array("f", range(n)) for _ in devs]
-    dsts = [[bytearray(nbytes) for _ in range(SLOTS)] for _ in devs]
-    work, copy_s = await _calibrate(devs[0], progs[0], xs[0][0], ys[0][0], srcs[0], 3 if quick else 9)
-    kernel_s = await _exec_seconds(devs[0], lambda: devs[0].launch(progs[0], ys[0][0], xs[0][0], vals=(n, work)), 5)
-
-    def where(b: int) -> tuple[int, int]:
-        return b % len(devs), (b // len(devs)) % SLOTS
-
-    async def one_by_one() -> None:
-        for b in range(batches):
-            d, s = where(b)
-            await devs[d].copyin(xs[d][s], srcs[d])
-            await devs[d].launch(progs[d], ys[d][s], xs[d][s], vals=(n, work))
-            await devs[d].copyout(ys[d][s], dsts[d][s])
+    line = await Pipeline.make(devs, progs, n, (n, 0), batches)
+    x, y = line.xs[0][0], line.ys[0][0]
+    work, copy_s = await calibrate(devs[0], progs[0], x, y, line.srcs[0], 3 if quick else 9, BLOCK)
+    line.vals = (n, work)
+    kernel_s = await exec_seconds(devs[0], lambda: devs[0].launch(progs[0], y, x, vals=(n, work)), 5)
 
     async def pipelined() -> None:
-        await double_buffered(devs, progs, xs, ys, srcs, dsts, (n, work), batches)
+        await line.double_buffered(WINDOW)
 
-    for run in (one_by_one, pipelined):  # warm-up that checks the results
-        for slots in dsts:
-            for dst in slots:
-                dst[:] = bytes(nbytes)
-        await run()
-        expected = [_expected(src[:2], work) for src in srcs]
-        assert all(dst[:8] == expected[d] for d, slots in enumerate(dsts) for dst in slots), "wrong result"
-    seq_s, pipe_s = [], []
-    for _ in range(repeats):
-        seq_s.append(await timed(one_by_one))
-        pipe_s.append(await timed(pipelined))
+    for run in (line.one_by_one, pipelined):  # warm-up that checks the results
+        await line.checked(run, lambda first: _expected(first, work))
+    seconds = await alternated({"seq": line.one_by_one, "pipe": pipelined}, repeats)
+    seq_s, pipe_s = seconds["seq"], seconds["pipe"]
     speedup = statistics.median(s / p for s, p in zip(seq_s, pipe_s, strict=True))
     extra = {"batches": batches, "batch_bytes": nbytes, "work_per_block": work, "block": BLOCK}
     extra |= {"copy_exec_us": copy_s * 1e6, "kernel_exec_us": kernel_s * 1e6, "cores": os.cpu_count()}

@@ -22,7 +22,6 @@ import json
 import statistics
 import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,12 +32,21 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from aruntime import Device, Op, dtypes  # noqa: E402
-from aruntime.device import BaseDevice  # noqa: E402
-from aruntime.errors import DeviceError  # noqa: E402
-from aruntime.scheduler import Scheduler  # noqa: E402
-from benchmarks.bench_engine import BareWorker, _stream  # noqa: E402
-from benchmarks.common import Benchmark, Result, interleaved, result, settings, timed  # noqa: E402
+from aruntime import dtypes  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    SLOTS,
+    BareWorker,
+    Benchmark,
+    Pipeline,
+    Result,
+    interleaved,
+    open_devices,
+    ratio_goal,
+    result,
+    settings,
+    stream,
+    timed,
+)
 
 EMPTY = 'extern "C" __global__ void empty() {}'
 SCALE = 'extern "C" __global__ void scale(float *y, const float *x, long long n, long long reps) {\n'
@@ -46,17 +54,9 @@ SCALE += "  long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;\n"
 SCALE += "  if (i < n) { float v = x[i]; for (long long r = 0; r < reps; r++) v = v * 0.5f + 1.0f; y[i] = v; }\n}\n"
 
 
-def _open(*names: str) -> list[BaseDevice] | None:
-    try:
-        return [Device[name] for name in names]
-    except DeviceError as exc:
-        print(f"bench_cuda: skipped, {exc}", file=sys.stderr)
-        return None
-
-
 async def cuda_copies() -> list[Result]:
     """Pinned (and pageable) host-to-device and device-to-host GB/s."""
-    devs = _open("CUDA")
+    devs = open_devices("bench_cuda", "CUDA")
     if devs is None:
         return []
     dev: Any = devs[0]
@@ -71,7 +71,7 @@ async def cuda_copies() -> list[Result]:
         ("d2h", functools.partial(dev.copyout, buf, pinned_out), functools.partial(dev.copyout, buf, pageable_out)),
     ):
         pinned_s, pageable_s = await interleaved(
-            functools.partial(_stream, pinned, 1), functools.partial(_stream, pageable, 1), repeats
+            functools.partial(stream, pinned, 1), functools.partial(stream, pageable, 1), repeats
         )
         value, staged = size / pinned_s / 1e9, size / pageable_s / 1e9
         rows.append(
@@ -120,7 +120,7 @@ def _bare_wake(dev: Any) -> Callable[[], Any]:
 
 async def cuda_roundtrip() -> list[Result]:
     """Awaited empty kernel against a bare cuEventSynchronize wake of a future."""
-    devs = _open("CUDA")
+    devs = open_devices("bench_cuda", "CUDA")
     if devs is None:
         return []
     dev: Any = devs[0]
@@ -142,55 +142,36 @@ async def cuda_roundtrip() -> list[Result]:
         bare.close()  # type: ignore[attr-defined]
     value, baseline = ours_s / n * 1e6, base_s / n * 1e6
     ratio = value / baseline
-    return [result("cuda_roundtrip", value, "us", baseline, ratio, "ratio <= 1.5", ratio <= 1.5)]
+    return [result("cuda_roundtrip", value, "us", baseline, ratio, *ratio_goal(ratio, "<=", 1.5))]
 
 
 async def cuda_pipeline() -> list[Result]:
     """Copy-in -> kernel -> copy-out batches through a Scheduler against the ideal makespan."""
-    devs = _open("CUDA")
+    devs = open_devices("bench_cuda", "CUDA")
     if devs is None:
         return []
-    more = _open("CUDA:1")
+    more = open_devices("bench_cuda", "CUDA:1")
     devs += more or []
     nbytes = (4 << 20) if settings.quick else (32 << 20)
     batches, repeats = (4, 1) if settings.quick else (24, 5)
     n = nbytes // 4
     progs = [(await d.compile(SCALE, "scale", outs=(0,))).sized(((n + 255) // 256,), (256,)) for d in devs]  # type: ignore[attr-defined]
-    xs = [[await d.allocate(n, dtypes.float32) for _ in range(2)] for d in devs]
-    ys = [[await d.allocate(n, dtypes.float32) for _ in range(2)] for d in devs]
+    xs = [[await d.allocate(n, dtypes.float32) for _ in range(SLOTS)] for d in devs]
+    ys = [[await d.allocate(n, dtypes.float32) for _ in range(SLOTS)] for d in devs]
     srcs: list[Any] = [d.pinned(nbytes) for d in devs]  # type: ignore[attr-defined]
-    dsts: list[Any] = [[d.pinned(nbytes) for _ in range(2)] for d in devs]  # type: ignore[attr-defined]
+    dsts: list[Any] = [[d.pinned(nbytes) for _ in range(SLOTS)] for d in devs]  # type: ignore[attr-defined]
     for src in srcs:
         src[:] = array.array("f", range(n)).tobytes()
-    reps = 64
-    plan: list[tuple[BaseDevice, bool, Callable[[], Op]]] = []
-    for b in range(batches):
-        d, s = b % len(devs), (b // len(devs)) % 2
-        dev = devs[d]
-        plan.append((dev, True, functools.partial(dev.copyin, xs[d][s], srcs[d])))
-        plan.append((dev, False, functools.partial(dev.launch, progs[d], ys[d][s], xs[d][s], vals=(n, reps))))
-        plan.append((dev, True, functools.partial(dev.copyout, ys[d][s], dsts[d][s])))
-    op_s = [0.0] * len(plan)
-
-    async def one_by_one() -> None:
-        for i, (_, _, submit) in enumerate(plan):
-            start = time.perf_counter()
-            await submit()
-            op_s[i] = time.perf_counter() - start
+    line = Pipeline(devs, progs, xs, ys, srcs, dsts, (n, 64), batches)
 
     async def pipelined() -> None:
-        async with Scheduler(window=6 * len(devs)) as sched:
-            for _, _, submit in plan:
-                await _through(sched, submit)
+        await line.in_order(window=6 * len(devs))
 
     pipe_s, ideal_s = [], []
-    await one_by_one()
+    await line.one_by_one()
     for _ in range(repeats):
-        await one_by_one()
-        queues: dict[tuple[str, bool], float] = {}
-        for (dev, is_copy, _), took in zip(plan, op_s, strict=True):
-            queues[dev.name, is_copy] = queues.get((dev.name, is_copy), 0.0) + took
-        ideal_s.append(max(queues.values()))
+        await line.one_by_one()
+        ideal_s.append(line.busiest_queue_s())
         pipe_s.append(await timed(pipelined))
     vs_ideal = statistics.median(p / i for p, i in zip(pipe_s, ideal_s, strict=True))
     return [
@@ -207,14 +188,6 @@ async def cuda_pipeline() -> list[Result]:
             batch_bytes=nbytes,
         )
     ]
-
-
-async def _through(sched: Scheduler, submit: Callable[[], Op]) -> None:
-    """Hand one of the plan's ops to the scheduler: its device method, by name, with the same arguments."""
-    part = submit
-    assert isinstance(part, functools.partial)
-    method = getattr(sched, part.func.__name__)
-    await method(*part.args, **part.keywords)
 
 
 BENCHMARKS: list[Benchmark] = [cuda_copies, cuda_roundtrip, cuda_pipeline]

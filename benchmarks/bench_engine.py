@@ -17,172 +17,60 @@ Every figure is compared with a baseline measured in the same run:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import ctypes
 import json
 import os
-import queue
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import uuid
-from collections.abc import Callable, Generator, Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import anyio
 import anyio.lowlevel
 
-from aruntime import BaseDevice, Device, Op, Program
-from benchmarks.common import Benchmark, Result, interleaved, loop_independent, result, settings
+from aruntime import Device
+from benchmarks.common import (
+    BareWorker,
+    Benchmark,
+    Result,
+    address,
+    copy_bandwidth,
+    interleaved,
+    launch_vs_bare_wake,
+    loop_independent,
+    memmoves,
+    one_at_a_time,
+    ratio_goal,
+    result,
+    settings,
+    threads_on_one_cpu,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 EMPTY_KERNEL = "void kernel(void) {}"
 
 
-# ---- the baseline: a bare worker thread that wakes the loop ------------------------------------------
-
-
-class _TrioFuture:
-    """The least a trio task needs to await a value set from another thread."""
-
-    __slots__ = ("done", "task")
-
-    def __init__(self) -> None:
-        self.done = False
-        self.task: Any = None
-
-    def set_result(self, _: None) -> None:
-        import trio
-
-        self.done = True
-        if self.task is not None:
-            trio.lowlevel.reschedule(self.task)
-
-    def __await__(self) -> Generator[Any, None, None]:
-        return self._wait().__await__()
-
-    async def _wait(self) -> None:
-        if not self.done:
-            import trio
-
-            self.task = trio.lowlevel.current_task()
-            await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.SUCCEEDED)
-
-
-def _resolve(batch: list[Any]) -> None:
-    for fut in batch:
-        fut.set_result(None)
-
-
-class BareWorker:
-    """A thread that takes futures from a queue and resolves them with one loop wake-up per batch.
-
-    Created inside the running loop (asyncio, uvloop or trio); :meth:`close` stops the thread.
-    """
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            import trio
-
-            self._call_soon: Callable[..., object] = trio.lowlevel.current_trio_token().run_sync_soon
-            self.future: Callable[[], Any] = _TrioFuture
-        else:
-            self._call_soon = loop.call_soon_threadsafe
-            self.future = loop.create_future
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def submit(self) -> Any:
-        """A new future that the worker resolves."""
-        fut = self.future()
-        self._queue.put(fut)
-        return fut
-
-    def _run(self) -> None:
-        get, get_nowait, empty = self._queue.get, self._queue.get_nowait, self._queue.empty
-        while (item := get()) is not None:
-            batch = [item]
-            while not empty():
-                batch.append(get_nowait())
-            if batch[-1] is None:
-                self._call_soon(_resolve, batch[:-1])
-                return
-            self._call_soon(_resolve, batch)
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-
-
 # ---- 1. round trip -------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _threads_on_one_cpu() -> Iterator[None]:
-    """Pin every thread of this process to one CPU for the duration (Linux; elsewhere nothing is pinned).
-
-    A wake-up across CPUs costs far more than one on the same CPU (on a VM, an
-    inter-processor interrupt), and the scheduler places each worker thread on
-    its own; pinned, both sides of a comparison get the same placement.
-    """
-    tasks = Path("/proc/self/task")
-    if not hasattr(os, "sched_setaffinity") or not tasks.is_dir():
-        yield
-        return
-    allowed = os.sched_getaffinity(0)
-    for tid in tasks.iterdir():
-        with contextlib.suppress(OSError):  # a thread may end meanwhile
-            os.sched_setaffinity(int(tid.name), {min(allowed)})
-    try:
-        yield
-    finally:
-        for tid in tasks.iterdir():
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(int(tid.name), allowed)
-
-
-async def launch_vs_bare_wake(dev: BaseDevice, prog: Program, n: int, repeats: int) -> tuple[float, float]:
-    """Median µs of one awaited ``dev.launch(prog)`` and of one bare worker wake, ``n`` in a row, on this loop."""
-    worker = BareWorker()
-
-    async def ours() -> None:
-        for _ in range(n):
-            await dev.launch(prog)
-
-    async def base() -> None:
-        for _ in range(n):
-            await worker.submit()
-
-    try:
-        ours_s, base_s = await interleaved(ours, base, repeats)
-    finally:
-        worker.close()
-    return ours_s / n * 1e6, base_s / n * 1e6
 
 
 async def roundtrip() -> list[Result]:
     """Awaited launch of an empty CPU kernel against a bare worker thread waking a future on the same loop.
 
     Measured twice: with threads unpinned, as users run it, and with every thread of the process on one CPU
-    (see :func:`_threads_on_one_cpu`), where a wake-up costs least.
+    (see :func:`benchmarks.common.threads_on_one_cpu`), where a wake-up costs least.
     """
     n, repeats = (50, 3) if settings.quick else (400, 9)
     dev = Device["CPU"]
     prog = await dev.compile(EMPTY_KERNEL)
     rows = []
-    for name, placement in (("roundtrip", contextlib.nullcontext()), ("roundtrip_pinned", _threads_on_one_cpu())):
+    for name, placement in (("roundtrip", contextlib.nullcontext()), ("roundtrip_pinned", threads_on_one_cpu())):
         with placement:
             value, baseline = await launch_vs_bare_wake(dev, prog, n, repeats)
         ratio = value / baseline
-        rows.append(result(name, value, "us", baseline, ratio, "ratio <= 1.0", ratio <= 1.0))
+        rows.append(result(name, value, "us", baseline, ratio, *ratio_goal(ratio, "<=", 1.0)))
     return rows
 
 
@@ -220,22 +108,6 @@ async def null_ops() -> list[Result]:
 # ---- 3. copies -----------------------------------------------------------------------------------------
 
 
-async def _stream(submit: Callable[[], Op], count: int) -> None:
-    ops = [submit() for _ in range(count)]
-    for op in ops:
-        await op
-
-
-async def _one_at_a_time(submit: Callable[[], Op], count: int) -> None:
-    for _ in range(count):
-        await submit()
-
-
-async def _memmoves(dst: int, src: int, size: int, count: int) -> None:
-    for _ in range(count):
-        ctypes.memmove(dst, src, size)
-
-
 async def copies() -> list[Result]:
     """copyin/copyout GB/s against plain memmove of the same size, per size; and one 1 MiB copy awaited at a time."""
     sizes = (1 << 20, 8 << 20) if settings.quick else (1 << 20, 64 << 20, 256 << 20)
@@ -245,36 +117,24 @@ async def copies() -> list[Result]:
     for size in sizes:
         count = max(1, stream // size)
         repeats = 3 if settings.quick else max(5, min(15, (1 << 30) // (size * count)))
-        host_in = bytearray(b"\x5a") * size
-        host_out = bytearray(size)
-        buf = await dev.allocate(size)
-        host_in_at = ctypes.addressof((ctypes.c_char * size).from_buffer(host_in))
-        host_out_at = ctypes.addressof((ctypes.c_char * size).from_buffer(host_out))
-        cases = {
-            "copyin": (partial(dev.copyin, buf, host_in), (buf.handle, host_in_at)),
-            "copyout": (partial(dev.copyout, buf, host_out), (host_out_at, buf.handle)),
-        }
         goal = 0.9 if size <= 1 << 20 else 0.95
-        for direction, (submit, (dst, src)) in cases.items():
-            ours_s, base_s = await interleaved(
-                partial(_stream, submit, count), partial(_memmoves, dst, src, size, count), repeats
-            )
-            value, baseline = size * count / ours_s / 1e9, size * count / base_s / 1e9
+        figures = await copy_bandwidth(dev, size, count, repeats, host_addressed=True)
+        for direction, (value, baseline) in figures.items():
             ratio = value / baseline
             name = f"{direction}_{size >> 20}MiB"
-            rows.append(
-                result(name, value, "GB/s", baseline, ratio, f"ratio >= {goal}", ratio >= goal, in_flight=count)
-            )
+            rows.append(result(name, value, "GB/s", baseline, ratio, *ratio_goal(ratio, ">=", goal), in_flight=count))
         if size == 1 << 20:  # the serving pattern: each copy awaited before the next is submitted
+            host_in = bytearray(b"\x5a") * size
+            buf = await dev.allocate(size)
             ours_s, base_s = await interleaved(
-                partial(_one_at_a_time, partial(dev.copyin, buf, host_in), count),
-                partial(_memmoves, buf.handle, host_in_at, size, count),
+                partial(one_at_a_time, partial(dev.copyin, buf, host_in), count),
+                partial(memmoves, buf.handle, address(host_in), size, count),
                 repeats,
             )
             value, baseline = size * count / ours_s / 1e9, size * count / base_s / 1e9
             ratio = value / baseline
-            rows.append(result("copyin_1MiB_awaited", value, "GB/s", baseline, ratio, "ratio >= 0.7", ratio >= 0.7))
-        await dev.free(buf)
+            rows.append(result("copyin_1MiB_awaited", value, "GB/s", baseline, ratio, *ratio_goal(ratio, ">=", 0.7)))
+            await dev.free(buf)
     return rows
 
 
@@ -316,8 +176,7 @@ async def starvation() -> list[Result]:
             "ops/s",
             unloaded,
             ratio,
-            "ratio >= 0.5",
-            ratio >= 0.5,
+            *ratio_goal(ratio, ">=", 0.5),
             submitted=engine.last - first,
             held_most=held_most,
             rss_growth_mb=round(rss / 2**20, 1),

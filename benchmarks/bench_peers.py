@@ -17,7 +17,7 @@ The same C kernel sources and sizes run, in the same run, on:
   kernel / ``memmove`` per batch through ctypes on its own buffers, the kernel
   built the way aruntime builds it (the limit of this machine);
 * a bare thread wake: a worker thread waking one future on the loop
-  (:class:`benchmarks.bench_engine.BareWorker`), the least that any awaited
+  (:class:`benchmarks.common.BareWorker`), the least that any awaited
   off-loop launch costs.
 
 The pipeline kernel is ``out[i] = (in[i] - 0.484375f) * 4.375f`` over float32.
@@ -69,8 +69,7 @@ import anyio
 
 from aruntime import Buffer, Device, Program, dtypes
 from aruntime.scheduler import Scheduler
-from benchmarks.bench_engine import BareWorker
-from benchmarks.common import Result, burst, result, settings, timed
+from benchmarks.common import SLOTS, BareWorker, Result, address, alternated, burst, percentile, result, settings
 from benchmarks.peers import setup_tinygrad
 
 # ---- the kernels ----------------------------------------------------------------------------------------------------
@@ -110,8 +109,6 @@ def pipeline_expected(value: float) -> float:
 # ---- the plan -------------------------------------------------------------------------------------------------------
 
 DEVICES = ("CPU", "CPU:1")
-SLOTS = 2
-"""Device buffers per device that the pipeline batches rotate through (double buffering), as in bench_scheduler."""
 SOURCES = 3
 """Distinct host inputs the batches cycle through (batch ``i`` of a timed pass reads one filled with ``i % 3 + 1``)."""
 CHECK_BASE = 10.0
@@ -167,16 +164,6 @@ class Measured:
     def reason(self, version: str) -> str:
         """Why tinygrad ``version`` has no figures."""
         return self.skipped.get(version, "no tinygrad figures")
-
-
-def _address(obj: Any) -> int:
-    return ctypes.addressof(ctypes.c_char.from_buffer(obj))
-
-
-def _percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0-100) of ``values``, nearest rank."""
-    ordered = sorted(values)
-    return ordered[max(0, min(len(ordered) - 1, round(q / 100 * len(ordered)) - 1))]
 
 
 def _verify(dsts: Sequence[bytearray], batches: int, expected: Sequence[float]) -> bool:
@@ -259,11 +246,11 @@ async def measure_pipeline(case: Case, repeats: int) -> dict[str, Any]:
     lane_x = [mmap.mmap(-1, nbytes) for _ in range(lanes)]
     lane_y = [mmap.mmap(-1, nbytes) for _ in range(lanes)]
     src_addr = [s.buffer_info()[0] for s in srcs]
-    dst_addr = [_address(d) for d in dsts]
+    dst_addr = [address(d) for d in dsts]
     memmove, kernel = ctypes.memmove, host.fn
 
     def lane(first: int) -> None:
-        x, y = _address(lane_x[first]), _address(lane_y[first])
+        x, y = address(lane_x[first]), address(lane_y[first])
         for i in range(first, batches, lanes):
             memmove(x, src_addr[i % SOURCES], nbytes)
             kernel(y, x)
@@ -279,13 +266,7 @@ async def measure_pipeline(case: Case, repeats: int) -> dict[str, Any]:
 
     for fn in (one, two, threads):  # warm-up: every page touched, engine threads awake
         await fn()
-    one_s: list[float] = []
-    two_s: list[float] = []
-    threads_s: list[float] = []
-    for _ in range(repeats):
-        one_s.append(await timed(one))
-        two_s.append(await timed(two))
-        threads_s.append(await timed(threads))
+    seconds = await alternated({"one": one, "two": two, "threads": threads}, repeats)
     verified: dict[int, bool] = {}
     for ndev in (1, 2):
         for dst in dsts:
@@ -299,9 +280,9 @@ async def measure_pipeline(case: Case, repeats: int) -> dict[str, Any]:
     return {
         "source": source,
         "expected": expected,
-        "one_s": one_s,
-        "two_s": two_s,
-        "threads_s": threads_s,
+        "one_s": seconds["one"],
+        "two_s": seconds["two"],
+        "threads_s": seconds["threads"],
         "verified": verified[1] and verified[2],
         "kernel_us": kernel_us,
     }
@@ -342,8 +323,8 @@ async def measure_serving(tasks: int, n: int, repeats: int) -> dict[str, Any]:
     return {
         "source": source,
         "seconds": seconds,
-        "p50_ms": _percentile(latencies, 50) * 1e3,
-        "p99_ms": _percentile(latencies, 99) * 1e3,
+        "p50_ms": percentile(latencies, 50) * 1e3,
+        "p99_ms": percentile(latencies, 99) * 1e3,
         "verified": verified,
     }
 
@@ -592,14 +573,14 @@ def _latency_row(peer: Peer, m: Measured) -> Result:
     launch_us, wake_us = _concat(m.latency, "launch_us"), _concat(m.latency, "wake_us")
     ours_us, wake = statistics.median(launch_us), statistics.median(wake_us)
     name, goal = f"peers_launch_latency_vs_{peer.tag}", f"<= tinygrad sync launch + {LATENCY_WAKES} x bare wake"
-    common = {"wake_us": wake, "calls": len(launch_us), "aruntime_p90_us": _percentile(launch_us, 90)}
+    common = {"wake_us": wake, "calls": len(launch_us), "aruntime_p90_us": percentile(launch_us, 90)}
     if not tg:
         return _skip_row(name, ours_us, "us", goal, m.reason(peer.version), **common)
     tg_calls = [v for out in tg for v in out["latency"]["us"]]
     tg_us = statistics.median(tg_calls)
     budget = tg_us + LATENCY_WAKES * wake
     ratio = ours_us / budget
-    extra = {"tinygrad_sync_us": tg_us, "tinygrad_p90_us": _percentile(tg_calls, 90)}
+    extra = {"tinygrad_sync_us": tg_us, "tinygrad_p90_us": percentile(tg_calls, 90)}
     return result(name, ours_us, "us", budget, ratio, goal, ratio <= 1.0, **extra, **common)
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import array
 import ctypes
-import functools
 import os
 import statistics
 import threading
@@ -37,13 +36,23 @@ from typing import Any
 
 import anyio
 
-from aruntime import Buffer, Device, Op, Program, dtypes
+from aruntime import Device, Op, dtypes
 from aruntime.batching import Batcher
 from aruntime.device import BaseDevice
-from aruntime.events import RangeEvent, recorder
 from aruntime.graph import Graph
 from aruntime.scheduler import Scheduler
-from benchmarks.common import Result, burst, result, settings, timed
+from benchmarks.common import (
+    Pipeline,
+    Result,
+    address,
+    alternated,
+    burst,
+    calibrate,
+    exec_seconds,
+    percentile,
+    result,
+    settings,
+)
 
 # ---- shared helpers -------------------------------------------------------------------------------------------------
 
@@ -53,37 +62,6 @@ def _cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
-
-
-def _percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0-100) of ``values``, nearest rank."""
-    ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered)) - 1))
-    return ordered[rank]
-
-
-def _address(obj: Any) -> int:
-    """The address of a writable buffer-protocol object's memory (the caller keeps ``obj`` alive)."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(obj))
-
-
-async def _allocate(dev: BaseDevice, count: int, size: int) -> list[Buffer]:
-    return [await dev.allocate(size, dtypes.float32) for _ in range(count)]
-
-
-async def _exec_seconds(dev: BaseDevice, submit: Callable[[], Op], repeats: int) -> float:
-    """Median seconds the engine itself spends running the op ``submit()`` makes, from the engine's own ranges."""
-    was_enabled, mark = recorder.enabled, len(recorder.events)
-    recorder.enabled = True
-    try:
-        for _ in range(repeats):
-            await submit()
-    finally:
-        recorder.enabled = was_enabled
-    ranges = [e for e in recorder.events[mark:] if isinstance(e, RangeEvent) and e.device == dev.name]
-    if not was_enabled:
-        del recorder.events[mark:]
-    return statistics.median((e.end - e.start) / 1e6 for e in ranges)
 
 
 SPIN = r"""
@@ -155,66 +133,8 @@ BLOCK = 2048
 BATCH_BYTES = 2 << 20
 """Small enough that a device's buffers stay in cache: bigger copies are bound by memory bandwidth that two cores
 share, so two of them at once take about as long as one after the other."""
-SLOTS = 2
-"""Device buffers per device that the batches rotate through (double buffering)."""
 WINDOW = 12
 """The pipeline scheduler's window: two batches (6 ops) per device in flight."""
-
-
-async def _calibrate(dev: BaseDevice, prog: Program, x: Buffer, y: Buffer, src: Any, repeats: int) -> tuple[int, float]:
-    """The kernel's ``work`` that makes one launch run as long as one copy-in of the batch; and that copy's time."""
-    n = x.size
-    copy_s = await _exec_seconds(dev, lambda: dev.copyin(x, src), repeats)
-
-    async def kernel_s(work: int) -> float:
-        return await _exec_seconds(dev, lambda: dev.launch(prog, y, x, vals=(n, work)), repeats)
-
-    base = await kernel_s(0)
-    if base >= copy_s:  # the kernel's own memory traffic already takes as long as the copy
-        return 0, copy_s
-    work = 8 * BLOCK
-    for _ in range(4):  # secant steps on the (nearly linear) time of `work`
-        took = await kernel_s(work)
-        if took <= base:  # too little work to measure: double it
-            work *= 2
-            continue
-        if abs(took - copy_s) <= 0.05 * copy_s:
-            break
-        work = max(1, round(work * (copy_s - base) / (took - base)))
-    return work, copy_s
-
-
-async def double_buffered(
-    devs: Sequence[BaseDevice],
-    progs: Sequence[Program],
-    xs: Sequence[Sequence[Buffer]],
-    ys: Sequence[Sequence[Buffer]],
-    srcs: Sequence[Any],
-    dsts: Sequence[Sequence[Any]],
-    vals: tuple[int, ...],
-    batches: int,
-) -> None:
-    """Copy-in -> kernel -> copy-out ``batches`` batches through one Scheduler, batch ``b`` on device ``b % len(devs)``
-    in slot ``(b // len(devs)) % SLOTS`` of its ``xs``/``ys``.
-
-    Double-buffered order: a device's next batch is copied in and launched before its previous batch is copied
-    out, so that the copy-out (which waits for the previous kernel) does not hold the next copy-in back.
-    """
-    lag = len(devs)
-
-    def where(b: int) -> tuple[int, int]:
-        return b % lag, (b // lag) % SLOTS
-
-    async with Scheduler(window=WINDOW) as sched:
-        for b in range(batches + lag):
-            if b < batches:
-                d, s = where(b)
-                sched.copyin(xs[d][s], srcs[d])
-                sched.launch(progs[d], ys[d][s], xs[d][s], vals=vals)
-            if b >= lag:
-                d, s = where(b - lag)
-                sched.copyout(ys[d][s], dsts[d][s])
-            await sched.room()  # backpressure: at most the window in flight
 
 
 async def scheduler_pipeline() -> list[Result]:
@@ -226,55 +146,26 @@ async def scheduler_pipeline() -> list[Result]:
     n = nbytes // 4
     devs = [Device["CPU"], Device["CPU:1"]]
     progs = [await d.compile(PASSES, outs=(0,)) for d in devs]
-    xs = [await _allocate(d, SLOTS, n) for d in devs]
-    ys = [await _allocate(d, SLOTS, n) for d in devs]
-    srcs = [array.array("f", range(n)) for _ in devs]
-    dsts = [[bytearray(nbytes) for _ in range(SLOTS)] for _ in devs]
-    work, copy_s = await _calibrate(devs[0], progs[0], xs[0][0], ys[0][0], srcs[0], 3 if quick else 15)
-    kernel_s = await _exec_seconds(devs[0], lambda: devs[0].launch(progs[0], ys[0][0], xs[0][0], vals=(n, work)), 5)
-
-    def where(b: int) -> tuple[int, int]:
-        """The device and the buffer slot of batch ``b``: batches alternate between the devices."""
-        return b % len(devs), (b // len(devs)) % SLOTS
-
-    plan: list[tuple[BaseDevice, bool, Callable[[], Op]]] = []  # each op: its device, whether it copies, its submit
-    for b in range(batches):
-        d, s = where(b)
-        dev, x, y = devs[d], xs[d][s], ys[d][s]
-        plan.append((dev, True, functools.partial(dev.copyin, x, srcs[d])))
-        plan.append((dev, False, functools.partial(dev.launch, progs[d], y, x, vals=(n, work))))
-        plan.append((dev, True, functools.partial(dev.copyout, y, dsts[d][s])))
-    op_s = [0.0] * len(plan)
-
-    async def one_by_one() -> None:
-        clock = time.perf_counter
-        for i, (_, _, submit) in enumerate(plan):
-            start = clock()
-            await submit()
-            op_s[i] = clock() - start
+    line = await Pipeline.make(devs, progs, n, (n, 0), batches)
+    x, y = line.xs[0][0], line.ys[0][0]
+    work, copy_s = await calibrate(devs[0], progs[0], x, y, line.srcs[0], 3 if quick else 15, BLOCK)
+    line.vals = (n, work)
+    kernel_s = await exec_seconds(devs[0], lambda: devs[0].launch(progs[0], y, x, vals=(n, work)), 5)
 
     async def pipelined() -> None:
-        await double_buffered(devs, progs, xs, ys, srcs, dsts, (n, work), batches)
+        await line.double_buffered(WINDOW)
 
     cores = _cores()
     ceiling = await _parallel_ceiling(devs[0])
-    seq_s: list[float] = []
-    pipe_s: list[float] = []
-    ideal_s: list[float] = []
-    for run in (one_by_one, pipelined):  # warm-up that checks the results
-        for slots in dsts:
-            for dst in slots:
-                dst[:] = bytes(nbytes)
-        await run()
-        expected = [_expected(src[:2], work) for src in srcs]
-        assert all(dst[:8] == expected[d] for d, slots in enumerate(dsts) for dst in slots), "wrong result"
-    for _ in range(repeats):
-        seq_s.append(await timed(one_by_one))
-        pipe_s.append(await timed(pipelined))
-        queues: dict[tuple[str, bool], float] = {}
-        for (dev, is_copy, _), took in zip(plan, op_s, strict=True):
-            queues[dev.name, is_copy] = queues.get((dev.name, is_copy), 0.0) + took
-        ideal_s.append(max(sum(op_s) / cores, max(queues.values())))
+    for run in (line.one_by_one, pipelined):  # warm-up that checks the results
+        await line.checked(run, lambda first: _expected(first, work))
+    ideal_s: list[float] = []  # per repeat: the larger of (every op's time / cores) and the busiest queue's sum
+
+    def note_ideal() -> None:
+        ideal_s.append(max(sum(line.op_s) / cores, line.busiest_queue_s()))
+
+    seconds = await alternated({"seq": line.one_by_one, "pipe": pipelined}, repeats, note_ideal)
+    seq_s, pipe_s = seconds["seq"], seconds["pipe"]
     speedup = statistics.median(seq / pipe for seq, pipe in zip(seq_s, pipe_s, strict=True))
     vs_ideal = statistics.median(pipe / ideal for pipe, ideal in zip(pipe_s, ideal_s, strict=True))
     pipe_ms = statistics.median(pipe_s) * 1e3
@@ -344,12 +235,12 @@ async def scheduler_serving() -> list[Result]:
     dev = Device["CPU"]
     prog = await dev.compile(SCALE, outs=(0,))
     n, nbytes = REQUEST, REQUEST * 4
-    xs = await _allocate(dev, TASKS, n)
-    ys = await _allocate(dev, TASKS, n)
+    xs = [await dev.allocate(n, dtypes.float32) for _ in range(TASKS)]
+    ys = [await dev.allocate(n, dtypes.float32) for _ in range(TASKS)]
     requests = [array.array("f", [float(i)] * n) for i in range(TASKS)]
     outs = [bytearray(nbytes) for _ in range(TASKS)]
     req_addr = [r.buffer_info()[0] for r in requests]
-    out_addr = [_address(o) for o in outs]
+    out_addr = [address(o) for o in outs]
     memmove = ctypes.memmove
 
     async def runtime(i: int) -> None:
@@ -436,7 +327,7 @@ async def scheduler_serving() -> list[Result]:
         return TASKS / statistics.median(seconds[key])
 
     def ms(key: str, q: float) -> float:
-        return _percentile(latencies[key], q) * 1e3
+        return percentile(latencies[key], q) * 1e3
 
     base_rps = rps("to_thread")
     base_lat = {"baseline_p50_ms": ms("to_thread", 50), "baseline_p99_ms": ms("to_thread", 99)}
@@ -474,8 +365,8 @@ TINY = 16
 async def _replay_vs_eager(dev: BaseDevice, iterations: int, repeats: int) -> dict[str, float]:
     """Microseconds per op of each variant (see :func:`scheduler_graph_replay`)."""
     prog = await dev.compile(SCALE, outs=(0,))
-    xs = await _allocate(dev, CHAIN, TINY)
-    ys = await _allocate(dev, CHAIN, TINY)
+    xs = [await dev.allocate(TINY, dtypes.float32) for _ in range(CHAIN)]
+    ys = [await dev.allocate(TINY, dtypes.float32) for _ in range(CHAIN)]
     srcs = [array.array("f", [float(k)] * TINY) for k in range(CHAIN)]
     dsts = [bytearray(TINY * 4) for _ in range(CHAIN)]
     graph = Graph()
@@ -536,10 +427,7 @@ async def _replay_vs_eager(dev: BaseDevice, iterations: int, repeats: int) -> di
         await run()
         if dev.kind != "NULL":
             assert all(set(array.array("f", dst)) == {2.0 * k} for k, dst in enumerate(dsts)), "wrong result"
-    seconds: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(repeats):
-        for name, run in variants.items():
-            seconds[name].append(await timed(run))
+    seconds = await alternated(variants, repeats)
     return {name: statistics.median(v) * 1e6 / (iterations * CHAIN * 3) for name, v in seconds.items()}
 
 

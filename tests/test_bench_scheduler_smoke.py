@@ -8,7 +8,8 @@ from __future__ import annotations
 import array
 from pathlib import Path
 
-from benchmarks.bench_scheduler import BLOCK, _expected, _percentile
+from benchmarks.bench_scheduler import BLOCK, _expected
+from benchmarks.common import percentile
 from tests.bench_rows import quick_rows
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,8 +42,8 @@ def test_scheduler_benchmarks_quick_json() -> None:
 
 def test_percentile_is_nearest_rank() -> None:
     values = [float(v) for v in range(1, 101)]
-    assert _percentile(values, 50) == 50.0 and _percentile(values, 99) == 99.0 and _percentile(values, 100) == 100.0
-    assert _percentile([3.0], 99) == 3.0
+    assert percentile(values, 50) == 50.0 and percentile(values, 99) == 99.0 and percentile(values, 100) == 100.0
+    assert percentile([3.0], 99) == 3.0
 
 
 def test_expected_pipeline_output_counts_partial_passes() -> None:

@@ -11,7 +11,8 @@ user event that the waiting queue's completion thread sets once the signal passe
 
 Completion: one thread per queue blocks in ``clWaitForEvents`` (called through ctypes on the ICD
 loader pyopencl links, so the GIL is released while it blocks) on each op's last event, in order,
-then completes the op. That step is :func:`wait_event` and :meth:`CLEngine._finish`.
+then completes the op. That wait is :func:`wait_event`; the rest is the driver-queue engine's
+(:mod:`aruntime.backends._driver_queue`), which :class:`CLEngine` gives its OpenCL calls.
 
 Kernels are OpenCL C. ``launch(prog, *bufs, vals=...)`` passes each buffer as a ``__global``
 pointer, then each scalar, checked against the kernel's declared parameter types before anything
@@ -28,24 +29,22 @@ a host copy is one ``memcpy`` by the driver straight between the caller's memory
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import functools
 import glob
 import json
 import os
-import queue as queues
 import struct
-import threading
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
+from aruntime.backends._driver_queue import DriverDevice, DriverEngine, Span, launch_dims
 from aruntime.compile import Compiler
 from aruntime.device import BaseDevice, Bound, Program
 from aruntime.dtype import DType, dtypes
-from aruntime.engine import EXEC, SIGNAL, TIMESTAMP, WAIT, Command, Engine, Op, TimelineSignal, check_deps
+from aruntime.engine import EXEC, Command, Engine
 from aruntime.errors import BufferUsageError, CompileError, DeviceError
-from aruntime.events import recorder
 from aruntime.memory import BufferSpec, LRUAllocator
 
 try:
@@ -287,13 +286,9 @@ class CLProgram(Program):
 
     def sized(self, global_size: Sequence[int], local_size: Sequence[int] | None = None) -> CLProgram:
         """This kernel over ``global_size`` work items (in work groups of ``local_size``; None: the driver's)."""
-        for what, dims in (("global_size", global_size), ("local_size", local_size or (1,))):
-            if not (1 <= len(dims) <= 3 and all(type(d) is int and d > 0 for d in dims)):
-                raise ValueError(f"{self.name}: {what} must be 1 to 3 positive ints, got {dims!r}")
-        other = object.__new__(CLProgram)
-        other.__dict__.update(self.__dict__)
-        other.global_size = tuple(global_size)
-        other.local_size = None if local_size is None else tuple(local_size)
+        other = copy.copy(self)
+        other.global_size = launch_dims(self.name, "global_size", global_size)
+        other.local_size = None if local_size is None else launch_dims(self.name, "local_size", local_size)
         return other
 
     def bind(self, addresses: Sequence[int], vals: Sequence[int | float]) -> Bound:
@@ -328,77 +323,50 @@ class CLProgram(Program):
 
 # ---- the engine -----------------------------------------------------------------------------------
 
-_engines: weakref.WeakValueDictionary[int, CLEngine] = weakref.WeakValueDictionary()  # id(signal) -> its engine
 
-Step = tuple[Any, ...]
-"""What the completion thread does at one point of an op: (WAIT, signal, value, user event),
-(SIGNAL, signal, value, event) or (TIMESTAMP, sink, event)."""
-
-
-class CLEngine(Engine):
+class CLEngine(DriverEngine):
     """One in-order OpenCL command queue (with profiling) and the thread that completes its ops."""
 
     def __init__(self, device: str, kind: str, timeout: float, queue: Any) -> None:
         super().__init__(device, kind, timeout)
         self.queue = queue
         self.context = queue.context
-        self._events: dict[int, Any] = {}  # op value -> its last event, until the op is complete
-        self._work: queues.SimpleQueue[tuple[Op, list[Step], Any, list[tuple[str, Any]], Any] | None] = (
-            queues.SimpleQueue()
-        )
-        _engines[id(self.signal)] = self
-        self._thread = threading.Thread(target=self._run, name=self.signal.name, daemon=True)
-        self._thread.start()
+        self._start()
 
-    def _event_for(self, signal: TimelineSignal, value: int) -> Any:
-        """The CL event that marks ``signal`` reaching ``value`` if another CL queue will set it, else None."""
-        engine = _engines.get(id(signal))
-        return None if engine is None else engine._events.get(value)
+    def _marker(self, timed: bool, wait_for: list[Any]) -> Any:
+        return cl.enqueue_marker(self.queue, wait_for=wait_for or None)  # every event of the queue is timed
 
-    def _enqueue(self, cmds: list[Command], op: Op) -> None:
-        steps: list[Step] = []
-        ranges: list[tuple[str, Any]] = []
-        wait_for: list[Any] = []
-        last: Any = None
-        error: BaseException | None = None
-        queue = self.queue
-        i = -1
-        try:
-            if op.inputs:
-                check_deps(op, settle=False)  # an input that already failed: nothing is enqueued
-            for i, cmd in enumerate(cmds):  # noqa: B007 (after a failure, i says where it stopped)
-                kind = cmd[0]
-                if kind == WAIT:
-                    signal, value = cmd[1], cmd[2]
-                    event = self._event_for(signal, value)
-                    if event is None and signal.value < value:
-                        event = cl.UserEvent(self.context)
-                        steps.append((WAIT, signal, value, event))
-                    if event is not None:
-                        wait_for.append(event)
-                    continue
-                if kind in (SIGNAL, TIMESTAMP):
-                    last = cl.enqueue_marker(queue, wait_for=wait_for or None)
-                    steps.append((*cmd, last))
-                elif kind == EXEC:
-                    last = cmd[2](queue, wait_for, *cmd[3])
-                    ranges.append((cmd[1], last))
-                else:
-                    last = self._copy(cmd[3], cmd[4], cmd[5], wait_for)
-                    ranges.append((cmd[1], last))
-                wait_for = []
-            if wait_for:  # waits with no command after them: the op ends when they pass
-                last = cl.enqueue_marker(queue, wait_for=wait_for)
-        except BaseException as exc:  # the op fails; the signals it was to set are set when its queue gets there
-            error = exc
-            if isinstance(exc, cl.Error):  # its repr says nothing: keep the driver's message
-                error = DeviceError(f"OpenCL refused it: {exc}")
-                error.__cause__ = exc
-            self._fail(op, error)
-            steps.extend((SIGNAL, c[1], c[2], None) for c in cmds[i + 1 :] if c[0] == SIGNAL)
-        if last is not None:
-            self._events[op.value] = last
-        self._work.put((op, steps, last, ranges, error))
+    def _command(self, cmd: Command, wait_for: list[Any]) -> tuple[Any, Span]:
+        if cmd[0] == EXEC:
+            event = cmd[2](self.queue, wait_for, *cmd[3])
+        else:
+            event = self._copy(cmd[3], cmd[4], cmd[5], wait_for)
+        return event, (cmd[1], event, event)
+
+    def _order_after(self, event: Any, wait_for: list[Any]) -> None:
+        wait_for.append(event)
+
+    def _host_event(self) -> Any:
+        return cl.UserEvent(self.context)
+
+    def _set_host_event(self, event: Any) -> None:
+        event.set_status(cl.command_execution_status.COMPLETE)
+
+    def _wait_event(self, event: Any) -> BaseException | None:
+        return wait_event(event)
+
+    def _clock_us(self, event: Any) -> float:
+        return float(event.profile.end / 1000.0)  # the device clock, in µs
+
+    def _span_ns(self, start: Any, end: Any) -> tuple[int, int]:
+        return start.profile.start, end.profile.end
+
+    def _driver_error(self, exc: BaseException) -> BaseException:
+        if not isinstance(exc, cl.Error):
+            return exc
+        error = DeviceError(f"OpenCL refused it: {exc}")  # a cl.Error's repr says nothing: keep the driver's message
+        error.__cause__ = exc
+        return error
 
     def _copy(self, dst: Any, src: Any, nbytes: int, wait_for: list[Any]) -> Any:
         queue, waits = self.queue, wait_for or None
@@ -420,68 +388,13 @@ class CLEngine(Engine):
             return cl.enqueue_copy(queue, host, src.mem, src_offset=src.offset, is_blocking=False, wait_for=waits)
         raise DeviceError(f"{self.signal.name}: a copy with no CL memory at either end")
 
-    def _run(self) -> None:
-        while (item := self._work.get()) is not None:
-            self._finish(*item)
 
-    def _finish(
-        self, op: Op, steps: list[Step], last: Any, ranges: list[tuple[str, Any]], error: BaseException | None
-    ) -> None:
-        """Do the op's host steps in order, wait for its last event, complete it. An op already done costs one
-        ``clWaitForEvents`` that returns at once, so a run of finished ops completes without sleeping."""
-        for step in steps:
-            if step[0] == WAIT:
-                if error is None:
-                    try:
-                        step[1].wait(step[2])  # times out after the signal's timeout
-                    except BaseException as exc:
-                        error = exc
-                step[3].set_status(cl.command_execution_status.COMPLETE)  # what waits on it runs either way
-                continue
-            event = step[-1]
-            if event is not None:
-                error = error or wait_event(event)
-            if step[0] == SIGNAL:
-                step[1].set(step[2])
-            elif error is None:
-                step[1].append(event.profile.end / 1000.0)  # the device clock, in µs
-        if last is not None:
-            error = error or wait_event(last)
-        if error is None and op.inputs:
-            try:
-                check_deps(op)  # a producer on another queue failed after this op was enqueued
-            except BaseException as exc:
-                error = exc
-        if error is None and recorder.enabled:
-            for name, event in ranges:
-                self.ranges.add(name, event.profile.start, event.profile.end, op.id)
-        self._events.pop(op.value, None)
-        self._complete(op, error)
-
-    def close(self) -> None:
-        """Stop accepting work; wait until what was submitted has completed (unless called from its thread)."""
-        super().close()
-        if threading.current_thread() is not self._thread:
-            self._thread.join()
-
-    def _stop(self) -> None:
-        self._work.put(None)
-
-
-def _enqueued(dst: int, src: int, nbytes: int) -> None:
-    raise DeviceError("CL copies are enqueued by the CL engine; copy_fn is not called")
-
-
-class CLDevice(BaseDevice):
+class CLDevice(DriverDevice):
     """An OpenCL device: buffers, OpenCL C kernels, a compute and a copy command queue."""
-
-    copies_host = True
 
     kind = "CL"
     program_type = CLProgram
     allocator_type = CLAllocator
-    compiler_type = None
-    copy_fn = staticmethod(_enqueued)
     allocator: CLAllocator
 
     def __init__(self, name: str) -> None:

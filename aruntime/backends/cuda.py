@@ -26,18 +26,17 @@ thread); ``prog.sized(grid, block)`` gives a copy with other sizes.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import functools
 import io
-import queue as queues
-import threading
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+from aruntime.backends._driver_queue import DriverDevice, Span, StagingPool, ThreadedDriverEngine, launch_dims
 from aruntime.compile import Compiler
 from aruntime.device import BaseDevice, Bound, Program
-from aruntime.engine import EXEC, SIGNAL, TIMESTAMP, WAIT, Command, Engine, Op, TimelineSignal, check_deps
+from aruntime.engine import EXEC, Command, Engine
 from aruntime.errors import CompileError, DeviceError
 from aruntime.events import recorder
 from aruntime.memory import BufferSpec, LRUAllocator
@@ -170,67 +169,6 @@ def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view.cast("B")))
 
 
-class StagingPool:
-    """A ring of ``count`` pinned host buffers of ``chunk`` bytes for copies from and to pageable memory.
-
-    A copy moves ``chunk`` bytes per DMA through the next buffer of the ring. Before a buffer is used
-    again, the completion ``event`` recorded after its last DMA is waited for (and, for a copy out, its
-    bytes are copied on to their destination), so ``count`` chunks are in flight. ``alloc(n)`` gives a
-    pinned host address (and what keeps it alive), ``record()`` an event after the work enqueued so far,
-    ``wait(event)`` blocks until it has passed.
-    """
-
-    def __init__(
-        self,
-        count: int,
-        chunk: int,
-        alloc: Callable[[int], tuple[int, object]],
-        record: Callable[[], object],
-        wait: Callable[[object], None],
-    ) -> None:
-        self.chunk = chunk
-        self.record = record
-        self.wait = wait
-        self._slots = [alloc(chunk) for _ in range(count)]
-        self._pending: list[tuple[object, int, int] | None] = [None] * count  # (event, copy-out dest, bytes)
-        self._next = 0
-
-    def _take(self) -> int:
-        i = self._next
-        self._next = (i + 1) % len(self._slots)
-        self._settle(i)
-        return i
-
-    def _settle(self, i: int) -> None:
-        pending = self._pending[i]
-        if pending is not None:
-            event, dest, nbytes = pending
-            self.wait(event)
-            if dest:
-                ctypes.memmove(dest, self._slots[i][0], nbytes)
-            self._pending[i] = None
-
-    def copy_in(self, dst: int, src: int, nbytes: int, dma: Callable[[int, int, int], object]) -> None:
-        """Copy ``nbytes`` from host address ``src`` to device address ``dst`` with ``dma(dst, pinned, n)``."""
-        for off in range(0, nbytes, self.chunk):
-            n = min(self.chunk, nbytes - off)
-            i = self._take()
-            pinned = self._slots[i][0]
-            ctypes.memmove(pinned, src + off, n)
-            dma(dst + off, pinned, n)
-            self._pending[i] = (self.record(), 0, n)
-
-    def copy_out(self, dst: int, src: int, nbytes: int, dma: Callable[[int, int, int], object]) -> None:
-        """Copy ``nbytes`` from device address ``src`` to host address ``dst``; returns once all are in ``dst``."""
-        for off in range(0, nbytes, self.chunk):
-            n = min(self.chunk, nbytes - off)
-            i = self._take()
-            dma(self._slots[i][0], src + off, n)
-            self._pending[i] = (self.record(), dst + off, n)
-        for k in range(len(self._slots)):  # the last chunks, oldest first
-            self._settle((self._next + k) % len(self._slots))
-
-
 # ---- kernels --------------------------------------------------------------------------------------
 
 
@@ -304,12 +242,8 @@ class CUDAProgram(Program):
 
     def sized(self, grid: Sequence[int], block: Sequence[int]) -> CUDAProgram:
         """This kernel as ``grid`` blocks of ``block`` threads (1 to 3 positive ints each)."""
-        for what, dims in (("grid", grid), ("block", block)):
-            if not (1 <= len(dims) <= 3 and all(type(d) is int and d > 0 for d in dims)):
-                raise ValueError(f"{self.name}: {what} must be 1 to 3 positive ints, got {dims!r}")
-        other = object.__new__(CUDAProgram)
-        other.__dict__.update(self.__dict__)
-        other.grid, other.block = tuple(grid), tuple(block)
+        other = copy.copy(self)
+        other.grid, other.block = launch_dims(self.name, "grid", grid), launch_dims(self.name, "block", block)
         other._config = LaunchConfig(grid=other.grid, block=other.block)
         return other
 
@@ -325,12 +259,11 @@ def _launch(stream: Any, kernel: Any, config: Any, args: list[Any]) -> None:
 
 # ---- the engine -----------------------------------------------------------------------------------
 
-_engines: weakref.WeakValueDictionary[int, CUDAEngine] = weakref.WeakValueDictionary()  # id(signal) -> engine
 _DONE = None if _MISSING else EventOptions(timing_enabled=False, blocking_sync=True)
 _TIMED = None if _MISSING else EventOptions(timing_enabled=True, blocking_sync=True)
 
 
-class CUDAEngine(Engine):
+class CUDAEngine(ThreadedDriverEngine):
     """One CUDA stream, the thread that enqueues on it and the thread that completes its ops."""
 
     def __init__(self, device: CUDADevice, kind: str, timeout: float) -> None:
@@ -339,23 +272,10 @@ class CUDAEngine(Engine):
         self.context = device.allocator.context
         self.stream = device.cu.create_stream(options=StreamOptions(nonblocking=True))
         self._pinned = LegacyPinnedMemoryResource()
-        self.staging = StagingPool(STAGING, CHUNK, self._alloc_pinned, self._record, self._wait)
-        self._events: dict[int, Any] = {}  # op value -> its completion event, from recording until done
-        self._recorded = 0  # the last op value whose event is recorded
-        self._cond = threading.Condition()
+        self.staging = StagingPool(STAGING, CHUNK, self._alloc_pinned, self._record, self._sync)
         self._epoch = self.stream.record(options=_TIMED)  # the zero of this engine's clock
         self._epoch.sync()
-        self._submissions: queues.SimpleQueue[tuple[list[Command], Op] | None] = queues.SimpleQueue()
-        self._completions: queues.SimpleQueue[tuple[Op | None, list[tuple[Any, ...]], Any, list[Any], Any] | None] = (
-            queues.SimpleQueue()
-        )
-        _engines[id(self.signal)] = self
-        self._threads = [
-            threading.Thread(target=self._submit_loop, name=f"{self.signal.name} submit", daemon=True),
-            threading.Thread(target=self._complete_loop, name=self.signal.name, daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
+        self._start()
 
     def _alloc_pinned(self, size: int) -> tuple[int, object]:
         buf = self._pinned.allocate(size)
@@ -364,73 +284,41 @@ class CUDAEngine(Engine):
     def _record(self) -> Any:
         return self.stream.record(options=_DONE)
 
-    def _wait(self, event: Any) -> None:
+    def _sync(self, event: Any) -> None:
         error = wait_event(event)
         if error is not None:
             raise error
 
-    def _enqueue(self, cmds: list[Command], op: Op) -> None:
-        self._submissions.put((cmds, op))
+    def _on_thread(self) -> None:
+        _check(driver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
 
-    def _recorded_event(self, value: int) -> Any:
-        """The completion event of this engine's op ``value`` once recorded (None if already done)."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._recorded >= value or self.signal.value >= value)
-        return self._events.get(value)
+    def _marker(self, timed: bool, wait_for: list[Any]) -> Any:
+        return self.stream.record(options=_TIMED if timed else _DONE)
 
-    def _device_us(self, event: Any) -> float:
+    def _command(self, cmd: Command, wait_for: list[Any]) -> tuple[Any, Span | None]:
+        start = self.stream.record(options=_TIMED) if recorder.enabled else None
+        if cmd[0] == EXEC:
+            cmd[2](self.stream, *cmd[3])
+        else:
+            self._copy(cmd[3], cmd[4], cmd[5])
+        if start is None:
+            return None, None
+        return None, (cmd[1], start, self.stream.record(options=_TIMED))
+
+    def _order_after(self, event: Any, wait_for: list[Any]) -> None:
+        self.stream.wait(event)
+
+    def _end(self, last: Any) -> Any:
+        return self.stream.record(options=_DONE)
+
+    def _wait_event(self, event: Any) -> BaseException | None:
+        return wait_event(event)
+
+    def _clock_us(self, event: Any) -> float:
         return float(event - self._epoch) * 1000.0  # ms since the epoch event, in µs
 
-    def _submit_loop(self) -> None:
-        _check(driver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
-        while (item := self._submissions.get()) is not None:
-            cmds, op = item
-            steps: list[tuple[Any, ...]] = []
-            ranges: list[Any] = []
-            error: BaseException | None = None
-            i = -1
-            try:
-                if op.inputs:
-                    check_deps(op, settle=False)  # an input that already failed: nothing is submitted
-                for i, cmd in enumerate(cmds):  # noqa: B007 (after a failure, i says where it stopped)
-                    kind = cmd[0]
-                    if kind == WAIT:
-                        self._wait_for(cmd[1], cmd[2], steps)
-                    elif kind in (SIGNAL, TIMESTAMP):
-                        steps.append((*cmd, self.stream.record(options=_TIMED if kind == TIMESTAMP else _DONE)))
-                    else:
-                        start = self.stream.record(options=_TIMED) if recorder.enabled else None
-                        if kind == EXEC:
-                            cmd[2](self.stream, *cmd[3])
-                        else:
-                            self._copy(cmd[3], cmd[4], cmd[5])
-                        if start is not None:
-                            ranges.append((cmd[1], start, self.stream.record(options=_TIMED)))
-            except BaseException as exc:  # the op fails; the signals it was to set are set when the stream gets there
-                error = exc
-                self._fail(op, exc)
-                steps.extend((SIGNAL, c[1], c[2], None) for c in cmds[i + 1 :] if c[0] == SIGNAL)
-            end = self.stream.record(options=_DONE)
-            with self._cond:
-                self._events[op.value] = end
-                self._recorded = op.value
-                self._cond.notify_all()
-            self._completions.put((op, steps, end, ranges, error))
-        self._completions.put(None)
-
-    def _wait_for(self, signal: TimelineSignal, value: int, steps: list[tuple[Any, ...]]) -> None:
-        """Order what follows after ``signal`` reaches ``value``; ``steps`` are the op's signals so far."""
-        if signal.value >= value:
-            return
-        other = _engines.get(id(signal))
-        event = None if other is None else other._recorded_event(value)
-        if event is not None:
-            self.stream.wait(event)  # ordered on the device, no host wait
-        elif other is None:
-            if steps:  # what this op signalled so far may be what the wait needs (graph replays): set it first
-                self._completions.put((None, list(steps), None, [], None))
-                steps.clear()
-            signal.wait(value)  # a signal no CUDA stream sets: wait for it here (times out after its timeout)
+    def _span_ns(self, start: Any, end: Any) -> tuple[int, int]:
+        return int(self._clock_us(start) * 1000), int(self._clock_us(end) * 1000)
 
     def _copy(self, dst: Any, src: Any, nbytes: int) -> None:
         stream = self.stream.handle
@@ -455,42 +343,6 @@ class CUDAEngine(Engine):
         else:
             raise DeviceError(f"{self.signal.name}: a copy with no CUDA memory at either end")
 
-    def _complete_loop(self) -> None:
-        _check(driver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
-        while (item := self._completions.get()) is not None:
-            op, steps, end, ranges, error = item
-            for step in steps:
-                event = step[-1]
-                if event is not None:
-                    error = error or wait_event(event)
-                if step[0] == SIGNAL:
-                    step[1].set(step[2])
-                elif error is None:
-                    step[1].append(self._device_us(event))
-            if op is None:  # the signals of an op whose submission waits on the host for another signal
-                continue
-            error = error or wait_event(end)
-            if error is None and op.inputs:
-                try:
-                    check_deps(op)  # a producer on another queue failed after this op was enqueued
-                except BaseException as exc:
-                    error = exc
-            if error is None:
-                for name, start, stop in ranges:
-                    self.ranges.add(name, int(self._device_us(start) * 1000), int(self._device_us(stop) * 1000), op.id)
-            self._events.pop(op.value, None)
-            self._complete(op, error)
-
-    def close(self) -> None:
-        """Stop accepting work; wait until what was submitted has completed (unless called from its threads)."""
-        super().close()
-        if threading.current_thread() not in self._threads:
-            for t in self._threads:
-                t.join()
-
-    def _stop(self) -> None:
-        self._submissions.put(None)
-
 
 def _is_pinned(address: int) -> bool:
     """Whether host ``address`` is page-locked memory the driver knows (allocated or registered with it)."""
@@ -506,20 +358,12 @@ def _dtoh(stream: Any, dst: int, src: int, nbytes: int) -> None:
     _check(driver.cuMemcpyDtoHAsync(dst, src, nbytes, stream), "cuMemcpyDtoHAsync")
 
 
-def _enqueued(dst: int, src: int, nbytes: int) -> None:
-    raise DeviceError("CUDA copies are enqueued by the CUDA engine; copy_fn is not called")
-
-
-class CUDADevice(BaseDevice):
+class CUDADevice(DriverDevice):
     """An NVIDIA GPU: device memory, CUDA C++ kernels, a compute and a copy stream."""
-
-    copies_host = True
 
     kind = "CUDA"
     program_type = CUDAProgram
     allocator_type = CUDAAllocator
-    compiler_type = None
-    copy_fn = staticmethod(_enqueued)
     allocator: CUDAAllocator
 
     def __init__(self, name: str) -> None:

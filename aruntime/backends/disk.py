@@ -23,9 +23,8 @@ import os
 import threading
 from collections.abc import Sequence
 
-from aruntime.device import BaseDevice, Program, Window
+from aruntime.device import BaseDevice, Program
 from aruntime.dtype import DType
-from aruntime.engine import Op
 from aruntime.errors import AllocationError, DeviceError
 from aruntime.memory import Allocator, Buffer, BufferSpec, HostAddressed, Mappings
 
@@ -149,16 +148,10 @@ class DiskDevice(BaseDevice):
         """Always a :class:`DeviceError`: a DISK device has no compiler."""
         raise DeviceError(f"{self.name} stores data and has no compiler; compile for a compute device such as CPU")
 
-    def launch(
-        self,
-        prog: Program,
-        *bufs: Buffer,
-        vals: Sequence[int | float] = (),
-        outs: Sequence[int] | None = None,
-        hold: bool = False,
-        window: Window | None = None,
-    ) -> Op:
-        """Always a :class:`DeviceError`: a DISK device runs no kernels."""
+    def _launch_access(
+        self, prog: Program, bufs: Sequence[Buffer], outs: Sequence[int] | None
+    ) -> tuple[tuple[Buffer, ...], tuple[Buffer, ...]]:
+        """Always a :class:`DeviceError`: a DISK device runs no kernels (``launch`` raises it)."""
         raise DeviceError(
             f"{self.name} stores data and runs no kernels; transfer the data to a compute device such as CPU"
         )

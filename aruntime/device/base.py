@@ -64,6 +64,9 @@ class BaseDevice(Closing, ProfileHooks):
     routes_transfers: ClassVar[bool] = False
     """Whether this device runs every transfer into or out of it itself, whatever the other device (a remote
     device: the bytes go between hosts)."""
+    holds_ops: ClassVar[bool] = True
+    """Whether an op submitted with ``hold`` is kept off its queue while it waits for another queue (a remote
+    device's ops wait on its host instead)."""
     copy_fn: CopyFn
     """``copy_fn(dst, src, nbytes)`` copies between two of this device's handles (or host addresses)."""
 
@@ -243,7 +246,8 @@ class BaseDevice(Closing, ProfileHooks):
         if admitted and not deps:
             return engine.push(body, op)
         op.deps = deps
-        dispatch_when_ready([(engine, body, op)], hold or window is not None, None if admitted else window)
+        held = (hold and self.holds_ops) or window is not None
+        dispatch_when_ready([(engine, body, op)], held, None if admitted else window)
         return op
 
     def _copy_engine(self, buf: Buffer, write: bool) -> Engine:
@@ -373,6 +377,12 @@ class BaseDevice(Closing, ProfileHooks):
         """
         reads, writes = self._launch_access(prog, bufs, outs)
         check_scalars(f"launch {prog.name}", vals)
-        fn, args = prog.bind([b._handle for b in bufs], vals)  # checked above: every handle is there
-        body: list[Command] = [(EXEC, prog.name, fn, args)]  # the op holds the buffers until it is done
+        body = [self._launch_command(prog, bufs, vals, writes)]  # the op holds the buffers until it is done
         return self._submit(self.compute, prog.name, body, reads, writes, bufs, None, hold, window)
+
+    def _launch_command(
+        self, prog: Program, bufs: Sequence[Buffer], vals: Sequence[int | float], writes: Sequence[Buffer]
+    ) -> Command:
+        """The command of a checked launch that writes ``writes``: ``EXEC`` of what ``prog.bind`` returns."""
+        fn, args = prog.bind([b._handle for b in bufs], vals)  # checked: every handle is there
+        return (EXEC, prog.name, fn, args)

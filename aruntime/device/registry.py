@@ -41,7 +41,8 @@ class _Registry:
         """Every known kind -> where its backend comes from (a module or an entry point)."""
         spec = importlib.util.find_spec(BUILTIN)
         where = spec.submodule_search_locations if spec is not None else None
-        found = {m.name.upper(): f"{BUILTIN}.{m.name}" for m in pkgutil.iter_modules(where or [])}
+        modules = [m.name for m in pkgutil.iter_modules(where or []) if not m.name.startswith("_")]  # _: shared code
+        found = {name.upper(): f"{BUILTIN}.{name}" for name in modules}
         for ep in importlib.metadata.entry_points(group="aruntime.backends"):
             found.setdefault(ep.name.upper(), ep.value)
         return found

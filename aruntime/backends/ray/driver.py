@@ -26,7 +26,7 @@ from aruntime.backends.ray.wire import (
     ray,
     unpack_error,
 )
-from aruntime.device import BaseDevice, Program, Window, check_scalars
+from aruntime.device import BaseDevice, Program, Window
 from aruntime.device.args import _indices
 from aruntime.dtype import DType, dtypes
 from aruntime.engine import COPY, EXEC, SIGNAL, WAIT, Command, Engine, Op, Sample, check_deps, estimate_offset
@@ -258,6 +258,7 @@ class RemoteDevice(BaseDevice):
     allocator_type = RemoteAllocator
     allocator: RemoteAllocator
     copy_fn = staticmethod(_no_copy)
+    holds_ops = False  # an op waiting for another queue waits on the remote host, not in the driver
 
     @classmethod
     def check_name(cls, name: str) -> None:
@@ -478,38 +479,13 @@ class RemoteDevice(BaseDevice):
             raise unpack_error(failure)
         return RemoteProgram(self, name, pid, outs)
 
-    def _submit(
-        self,
-        engine: Engine,
-        name: str,
-        body: list[Command],
-        reads: Sequence[Buffer],
-        writes: Sequence[Buffer],
-        keep: Any,
-        result: Any = None,
-        hold: bool = False,
-        window: Window | None = None,
-    ) -> Op:
-        # never held: an op waiting for another queue waits on the remote host, not in the driver
-        return super()._submit(engine, name, body, reads, writes, keep, result, False, window)
-
-    def launch(
-        self,
-        prog: Program,
-        *bufs: Buffer,
-        vals: Sequence[int | float] = (),
-        outs: Sequence[int] | None = None,
-        hold: bool = False,
-        window: Window | None = None,
-    ) -> Op:
-        """Run ``prog`` on the remote host (see :meth:`BaseDevice.launch`)."""
-        reads, writes = self._launch_access(prog, bufs, outs)
-        check_scalars(f"launch {prog.name}", vals)
+    def _launch_command(
+        self, prog: Program, bufs: Sequence[Buffer], vals: Sequence[int | float], writes: Sequence[Buffer]
+    ) -> Command:
+        """A launch names the remote program and says which buffers it writes (see :meth:`BaseDevice.launch`)."""
         assert isinstance(prog, RemoteProgram)
         written = tuple(i for i, buf in enumerate(bufs) if any(buf is w for w in writes))
-        args = (prog.pid, tuple(b._handle for b in bufs), tuple(vals), written)
-        body: list[Command] = [(EXEC, prog.name, _LAUNCH, args)]
-        return self._submit(self.compute, prog.name, body, reads, writes, bufs, window=window)
+        return (EXEC, prog.name, _LAUNCH, (prog.pid, tuple(b._handle for b in bufs), tuple(vals), written))
 
     def _transfer(self, dst: Buffer, src: Buffer, hold: bool, window: Window | None) -> Op:
         """Copy ``src`` to ``dst`` where either is on this device and the other on any device.
