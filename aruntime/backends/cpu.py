@@ -30,7 +30,7 @@ from aruntime import cc
 from aruntime.allocator import HostAllocator
 from aruntime.compiler import Compiler
 from aruntime.device import BaseDevice, Bound, Program
-from aruntime.engine import Entry
+from aruntime.engine import CopyFn, Entry
 from aruntime.errors import BufferUsageError, CompileError
 from aruntime.helpers import getenv, pin
 
@@ -229,8 +229,14 @@ class CPUProgram(Program):
         self._order = [p.kind == "p" for p in params]
 
     def bind(self, addresses: Sequence[int], vals: Sequence[int | float]) -> Bound:
-        """The kernel's entry and its arguments packed in one buffer: each pointer parameter gets the next
-        buffer address, each other parameter the next scalar, converted and checked against its type."""
+        """The kernel's entry and its arguments packed in one buffer (see :meth:`_words`)."""
+        holder, address, _ = pin(struct.pack(self._format, *self._words(addresses, vals)))
+        return self.entry, (holder, address)
+
+    def _words(self, addresses: Sequence[int], vals: Sequence[int | float]) -> list[Any]:
+        """The kernel's arguments in parameter order, as :attr:`_format` packs them: each pointer parameter
+        gets the next buffer address, each other parameter the next scalar, converted and checked against its
+        type."""
         if len(addresses) != self._pointers:
             raise BufferUsageError(
                 f"launch {self.name}: the kernel takes {self._pointers} buffer(s)"
@@ -263,8 +269,7 @@ class CPUProgram(Program):
                     raise ValueError(f"launch {self.name}: scalar {vi} = {val} does not fit {param.text!r}")
                 words.append(val)
             vi += 1
-        holder, address, _ = pin(struct.pack(self._format, *words))
-        return self.entry, (holder, address)
+        return words
 
 
 class CPUDevice(BaseDevice):
@@ -274,7 +279,7 @@ class CPUDevice(BaseDevice):
     program_type = CPUProgram
     allocator_type = HostAllocator
     compiler_type = CCompiler
-    copy_fn = staticmethod(ctypes.memmove)
+    copy_fn: CopyFn = staticmethod(ctypes.memmove)
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
