@@ -22,6 +22,7 @@ from aruntime.events import RangeEvent
 from aruntime.graph import Graph, Param
 from aruntime.profile import profile
 from aruntime.scheduler import Scheduler
+from tests.bench_rows import quick_rows
 from tests.kernels import ADD_ONE, SCALE
 from tests.test_scheduler_property import EXAMPLES, Case, check_through_scheduler, programs
 
@@ -237,3 +238,12 @@ SIM_DEVICES = tuple(f"SIM:{i}" for i in range(64))
 @given(case=programs(devices=(64, 64), bufs=24, length=40))
 async def test_random_programs_on_64_sim_devices_match_the_sequential_reference(case: Case) -> None:
     await check_through_scheduler(SIM_DEVICES, case)
+
+
+def test_the_many_device_benchmark_runs_in_quick_mode() -> None:
+    """benchmarks/bench_sim.py end to end, small: only the shape of its rows (timing goals live in it)."""
+    rows = quick_rows("sim_scale")
+    assert {row["loop"] for row in rows} == {"asyncio", "uvloop", "trio"}
+    names = [row["name"] for row in rows if row["loop"] == "trio"]
+    assert names == ["sim_makespan_1", "sim_makespan_8", "sim_loop_cost_8_vs_1"]
+    assert all(row["pass"] is None for row in rows)  # quick mode measures nothing
