@@ -23,8 +23,8 @@ DOUBLE_SOURCES = {
     "CUDA": 'extern "C" __global__ void kernel(int *out, const int *x) {'
     " for (int i = 0; i < 3; i++) out[i] = x[i] * 2; }",
 }
-DOUBLE_SOURCES["SIM"] = DOUBLE_SOURCES["CPU"]  # SIM kernels are CPU kernels
 """The kernel ``out = x * 2`` over three int32s, in each kind's kernel language."""
+DOUBLE_SOURCES["SIM"] = DOUBLE_SOURCES["CPU"]  # SIM kernels are CPU kernels
 
 
 @dataclass(frozen=True)

@@ -229,14 +229,13 @@ class CPUProgram(Program):
         self._order = [p.kind == "p" for p in params]
 
     def bind(self, addresses: Sequence[int], vals: Sequence[int | float]) -> Bound:
-        """The kernel's entry and its arguments packed in one buffer (see :meth:`_words`)."""
+        """The kernel's entry and its arguments packed in one buffer: each pointer parameter gets the next
+        buffer address, each other parameter the next scalar, converted and checked against its type."""
         holder, address, _ = pin(struct.pack(self._format, *self._words(addresses, vals)))
         return self.entry, (holder, address)
 
     def _words(self, addresses: Sequence[int], vals: Sequence[int | float]) -> list[Any]:
-        """The kernel's arguments in parameter order, as :attr:`_format` packs them: each pointer parameter
-        gets the next buffer address, each other parameter the next scalar, converted and checked against its
-        type."""
+        """The kernel's arguments in parameter order, as ``_format`` packs them, checked (see :meth:`bind`)."""
         if len(addresses) != self._pointers:
             raise BufferUsageError(
                 f"launch {self.name}: the kernel takes {self._pointers} buffer(s)"
