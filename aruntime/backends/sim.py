@@ -109,14 +109,18 @@ def _kernel_wrapper(name: str) -> str:
     )
 
 
-def _seconds(what: str, value: object, positive: bool = False) -> float:
-    """``value`` as seconds (or bytes per second) if it is a real number >= 0 (> 0 with ``positive``) that is
-    not NaN, else a ValueError naming ``what`` and the value."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
-    if not ok or not (value > 0 if positive else value >= 0):  # type: ignore[operator]
-        bound = "> 0" if positive else ">= 0"
-        raise ValueError(f"SIM model: {what} must be a number {bound}, got {value!r}")
-    return float(value)  # type: ignore[arg-type]
+def _seconds(what: str, value: object, positive: bool = False, finite: bool = True) -> float:
+    """``value`` as a float if it is a real number >= 0 (> 0 with ``positive``; not infinite with ``finite``),
+    else a ValueError naming ``what`` and the value (NaN is refused)."""
+    if (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and (value > 0 if positive else value >= 0)
+        and (not finite or math.isfinite(value))
+    ):
+        return float(value)
+    kind = "a finite number" if finite else "a number"
+    raise ValueError(f"SIM model: {what} must be {kind} {'> 0' if positive else '>= 0'}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -137,10 +141,9 @@ class SimModel:
     """Skip the bytes of copies and the bodies of kernels: only the modelled time passes."""
 
     def __post_init__(self) -> None:
-        for what in ("latency", "kernel"):
-            if not math.isfinite(_seconds(what, getattr(self, what))):
-                raise ValueError(f"SIM model: {what} must be a finite number of seconds, got {getattr(self, what)!r}")
-        _seconds("bandwidth", self.bandwidth, positive=True)
+        _seconds("latency", self.latency)
+        _seconds("kernel", self.kernel)
+        _seconds("bandwidth", self.bandwidth, positive=True, finite=False)
         if not isinstance(self.timing_only, bool):
             raise ValueError(f"SIM model: timing_only must be a bool, got {self.timing_only!r}")
 
@@ -159,9 +162,13 @@ class SimModel:
         return self.latency + nbytes / self.bandwidth
 
 
+_MAX_NS = (1 << 64) - 1
+
+
 def _ns(seconds: float) -> int:
-    """``seconds`` in whole nanoseconds, rounded up (an op never takes less than its model)."""
-    return math.ceil(seconds * 1e9)
+    """``seconds`` in whole nanoseconds, rounded up (an op never takes less than its model); at most what the
+    entry's word holds (some 585 years)."""
+    return _MAX_NS if seconds * 1e9 >= _MAX_NS else math.ceil(seconds * 1e9)
 
 
 @functools.cache
@@ -242,8 +249,8 @@ class SimProgram(CPUProgram):
 
     @cost.setter
     def cost(self, cost: Cost | None) -> None:
-        if cost is not None and not callable(cost) and not math.isfinite(_seconds(f"the cost of {self.name}", cost)):
-            raise ValueError(f"SIM model: the cost of {self.name} must be finite, got {cost!r}")
+        if cost is not None and not callable(cost):
+            _seconds(f"the cost of {self.name}", cost)
         self._cost = cost
 
     def time(self, vals: Sequence[int | float]) -> float:
@@ -253,11 +260,7 @@ class SimProgram(CPUProgram):
             return self._device.model.kernel
         if not callable(cost):
             return cost
-        seconds = cost(*vals)
-        what = f"the cost of {self.name} for vals {tuple(vals)!r}"
-        if not math.isfinite(_seconds(what, seconds)):
-            raise ValueError(f"SIM model: {what} must be finite, got {seconds!r}")
-        return float(seconds)
+        return _seconds(f"the cost of {self.name} for vals {tuple(vals)!r}", cost(*vals))
 
     def bind(self, addresses: Sequence[int], vals: Sequence[int | float]) -> Bound:
         """The kernel's SIM entry and its arguments: its modelled time, whether it runs (not in timing-only
