@@ -24,6 +24,7 @@ DOUBLE_SOURCES = {
     " for (int i = 0; i < 3; i++) out[i] = x[i] * 2; }",
 }
 """The kernel ``out = x * 2`` over three int32s, in each kind's kernel language."""
+DOUBLE_SOURCES["SIM"] = DOUBLE_SOURCES["CPU"]  # SIM kernels are CPU kernels
 
 
 @dataclass(frozen=True)

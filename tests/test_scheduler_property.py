@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import anyio
@@ -41,12 +42,15 @@ def regions(draw: st.DrawFn, n_bufs: int, length: int | None = None) -> Region:
 
 
 @st.composite
-def programs(draw: st.DrawFn) -> tuple[int, list[int], list[tuple[object, ...]], int]:  # a Case
-    n_dev = draw(st.integers(1, 4))
-    n_bufs = draw(st.integers(2, 8))
+def programs(
+    draw: st.DrawFn, devices: tuple[int, int] = (1, 4), bufs: int = 8, length: int = 25
+) -> tuple[int, list[int], list[tuple[object, ...]], int]:  # a Case
+    """A random program over ``devices`` (least, most) devices, 2 to ``bufs`` buffers, 1 to ``length`` ops."""
+    n_dev = draw(st.integers(*devices))
+    n_bufs = draw(st.integers(2, bufs))
     homes = draw(st.lists(st.integers(0, n_dev - 1), min_size=n_bufs, max_size=n_bufs))
     ops: list[tuple[object, ...]] = []
-    for _ in range(draw(st.integers(1, 25))):
+    for _ in range(draw(st.integers(1, length))):
         kind = draw(st.sampled_from(["copyin", "affine", "accumulate", "copyout", "transfer"]))
         if kind == "copyin":
             r = draw(regions(n_bufs))
@@ -129,12 +133,14 @@ def reference(ref: list[bytearray], ops: list[tuple[object, ...]]) -> list[bytes
 
 
 async def setup(
-    n_dev: int, homes: list[int]
+    names: Sequence[str], homes: list[int]
 ) -> tuple[dict[str, Program], dict[str, Program], list[bytearray], list[Buffer]]:
-    """Kernels for each device, the reference's initial bytes, and device buffers holding them."""
-    devs = [Device[name] for name in DEVICES[:n_dev]]
-    affine = {d.name: await d.compile(AFFINE) for d in devs}
-    accumulate = {d.name: await d.compile(ACCUMULATE, outs=(0,)) for d in devs}
+    """Kernels for each device that holds a buffer, the reference's initial bytes, and device buffers holding
+    them (buffer ``i`` on device ``names[homes[i]]``)."""
+    devs = [Device[name] for name in names]
+    used = [devs[h] for h in sorted(set(homes))]
+    affine = {d.name: await d.compile(AFFINE) for d in used}
+    accumulate = {d.name: await d.compile(ACCUMULATE, outs=(0,)) for d in used}
     ref = [bytearray((i * 37 + j) % 251 for j in range(SIZE)) for i in range(len(homes))]
     roots = [await devs[h].allocate(SIZE) for h in homes]
     for root, init in zip(roots, ref, strict=True):
@@ -142,12 +148,11 @@ async def setup(
     return affine, accumulate, ref, roots
 
 
-@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
-@example(case=HELD_READ_THEN_WRITE)
-@given(case=programs())
-async def test_random_programs_match_sequential_reference(case: Case) -> None:
+async def check_through_scheduler(names: Sequence[str], case: Case) -> None:
+    """Run ``case``'s program through a :class:`Scheduler` over the devices ``names``; check every copy-out and
+    the buffers' final bytes against :func:`reference`."""
     n_dev, homes, ops, window = case
-    affine, accumulate, ref, roots = await setup(n_dev, homes)
+    affine, accumulate, ref, roots = await setup(names[:n_dev], homes)
     expected = reference(ref, ops)
     handles = []
     with anyio.fail_after(60):
@@ -186,9 +191,16 @@ async def test_random_programs_match_sequential_reference(case: Case) -> None:
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 @example(case=HELD_READ_THEN_WRITE)
 @given(case=programs())
+async def test_random_programs_match_sequential_reference(case: Case) -> None:
+    await check_through_scheduler(DEVICES, case)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@example(case=HELD_READ_THEN_WRITE)
+@given(case=programs())
 async def test_random_graphs_replayed_twice_match_sequential_reference(case: Case) -> None:
     n_dev, homes, ops, _ = case
-    affine, accumulate, ref, roots = await setup(n_dev, homes)
+    affine, accumulate, ref, roots = await setup(DEVICES[:n_dev], homes)
     graph = Graph()
     inputs: dict[str, bytes] = {}
     outputs: list[str] = []

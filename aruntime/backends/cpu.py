@@ -38,7 +38,7 @@ from typing import Any
 
 from aruntime.compile import Compiler, cc
 from aruntime.device import BaseDevice, Bound, Program
-from aruntime.engine import Entry
+from aruntime.engine import CopyFn, Entry
 from aruntime.errors import BufferUsageError, CompileError
 from aruntime.helpers import getenv
 from aruntime.memory import HostAllocator, pin
@@ -240,6 +240,11 @@ class CPUProgram(Program):
     def bind(self, addresses: Sequence[int], vals: Sequence[int | float]) -> Bound:
         """The kernel's entry and its arguments packed in one buffer: each pointer parameter gets the next
         buffer address, each other parameter the next scalar, converted and checked against its type."""
+        holder, address, _ = pin(struct.pack(self._format, *self._words(addresses, vals)))
+        return self.entry, (holder, address)
+
+    def _words(self, addresses: Sequence[int], vals: Sequence[int | float]) -> list[Any]:
+        """The kernel's arguments in parameter order, as ``_format`` packs them, checked (see :meth:`bind`)."""
         if len(addresses) != self._pointers:
             raise BufferUsageError(
                 f"launch {self.name}: the kernel takes {self._pointers} buffer(s)"
@@ -272,8 +277,7 @@ class CPUProgram(Program):
                     raise ValueError(f"launch {self.name}: scalar {vi} = {val} does not fit {param.text!r}")
                 words.append(val)
             vi += 1
-        holder, address, _ = pin(struct.pack(self._format, *words))
-        return self.entry, (holder, address)
+        return words
 
 
 def default_cpu(name: str) -> int | None:
@@ -305,7 +309,7 @@ class CPUDevice(BaseDevice):
     program_type = CPUProgram
     allocator_type = HostAllocator
     compiler_type = CCompiler
-    copy_fn = staticmethod(ctypes.memmove)
+    copy_fn: CopyFn = staticmethod(ctypes.memmove)
 
     def __init__(self, name: str) -> None:
         cpu = default_cpu(name)  # a bad setting is refused before any thread starts

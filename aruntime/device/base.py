@@ -113,12 +113,12 @@ class BaseDevice(Closing, ProfileHooks):
     @property
     def engine_kind(self) -> str:
         """Which engine runs this device's queues: ``native``, ``python`` or a backend's own (its class name)."""
-        kinds = {type(e) for e in (self.compute, self.copy)}
-        if kinds == {NativeEngine}:
+        engines = (self.compute, self.copy)
+        if all(isinstance(e, NativeEngine) for e in engines):
             return "native"
-        if kinds == {ThreadEngine}:
+        if all(isinstance(e, ThreadEngine) for e in engines):
             return "python"
-        return "/".join(sorted(k.__name__ for k in kinds))
+        return "/".join(sorted({type(e).__name__ for e in engines}))
 
     # ---- capabilities -------------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ import pytest
 
 from aruntime import BaseDevice, Device
 
-BUILTIN = ("CPU", "NULL", "DISK", "CL", "CUDA")
+BUILTIN = ("CPU", "NULL", "SIM", "DISK", "CL", "CUDA")
 KINDS = tuple(k.strip().upper() for k in os.environ.get("ARUNTIME_KINDS", ",".join(BUILTIN)).split(",") if k.strip())
 
 _C = "#include <stdint.h>\n"
@@ -70,6 +70,7 @@ KERNELS: dict[str, dict[str, str]] = {
 * ``accumulate(uint8 *o, const uint8 *x, int n)``: ``o[i] += x[i]`` in index order
 """
 KERNELS["NULL"] = KERNELS["CPU"]  # NULL accepts any source and runs nothing
+KERNELS["SIM"] = KERNELS["CPU"]  # SIM kernels are CPU kernels that take modelled time
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,7 @@ atexit.register(shutil.rmtree, _DISK_DIR, ignore_errors=True)  # the DISK files 
 NAMES = {
     "CPU": ("CPU:30", "CPU:31"),  # devices no other test uses: their counters are the suite's alone
     "NULL": ("NULL:30", "NULL:31"),
+    "SIM": ("SIM:30", "SIM:31"),
     "DISK": (f"DISK:{_DISK_DIR}/a.bin", f"DISK:{_DISK_DIR}/b.bin"),
 }
 

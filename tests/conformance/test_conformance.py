@@ -209,7 +209,7 @@ async def test_transfers_to_and_from_every_kind(kind: Kind, other_kind: Kind) ->
     await dev.copyin(a, data)
     try:
         forward = aruntime.transfer(b, a)
-    except DeviceError as exc:
+    except (DeviceError, BufferUsageError) as exc:  # a backend's refusal, or no copy engine reaches both memories
         await dev.free(a)
         await dst_dev.free(b)
         pytest.skip(f"no transfer between {dev.name} and {dst_dev.name}: {exc}")
