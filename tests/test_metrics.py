@@ -84,3 +84,19 @@ async def test_skipped_ops_are_counted() -> None:
     assert _adds_up(after)
     assert after["skipped"] - before["skipped"] == 3
     assert after["done"] - before["done"] == 1  # the gate kernel
+
+
+async def test_with_metrics_off_queues_count_but_do_not_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ARUNTIME_METRICS", "0")
+    dev = Device["NULL:7"]
+    monkeypatch.delenv("ARUNTIME_METRICS")
+    try:
+        prog = await dev.compile("k")
+        for _ in range(10):
+            await dev.launch(prog)
+        queue = dev.metrics()["compute"]
+        assert queue["done"] == queue["submitted"] == 10 and _adds_up(queue)
+        assert queue["run_time"] == {"count": 0, "p50_us": None, "p90_us": None, "p99_us": None}
+        assert queue["queue_time"]["count"] == 0 and queue["busy_s"] == 0
+    finally:
+        await dev.aclose()

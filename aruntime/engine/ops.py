@@ -25,7 +25,7 @@ from aruntime.engine.metrics import summary
 from aruntime.engine.signal import TimelineSignal, wait_registered
 from aruntime.errors import DeadlineExceeded, DependencyError, DeviceError, OpError, OpSkipped, SignalTimeout
 from aruntime.events import RangeLog, op_ids, recorder
-from aruntime.helpers import checkpoint
+from aruntime.helpers import checkpoint, getenv
 
 HELD = 1 << 62
 """The ``value`` of an op that is held: bound for an engine, not yet handed to it."""
@@ -403,6 +403,8 @@ class Engine:
         self._lock = threading.Lock()  # submissions
         self._failed_lock = threading.Lock()
         self._mark = (time.monotonic_ns(), 0)  # (when, busy ns) at the last metrics() call
+        self.keeps_metrics: bool = getenv("METRICS", 1, minimum=0, maximum=1) == 1
+        """Whether the engine times its ops for :meth:`metrics` (``ARUNTIME_METRICS=0``: counts only)."""
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.signal.name}>"

@@ -41,7 +41,7 @@ class ThreadEngine(Engine):
         self.thread_id = self._thread.native_id or 0
 
     def _enqueue(self, cmds: list[Command], op: Op | None) -> None:
-        self._handed.append(monotonic_ns())
+        self._handed.append(monotonic_ns() if self.keeps_metrics else 0)
         self._ops.append(op)
         if self._idle:
             self._idle = False
@@ -76,9 +76,10 @@ class ThreadEngine(Engine):
         op = ops.popleft()
         handed = self._handed.popleft()
         if op is not None:
-            self._taken = monotonic_ns()
-            self._queued_hist[bucket(self._taken - handed)] += 1
             self._started = op.value
+            if self.keeps_metrics:
+                self._taken = monotonic_ns()
+                self._queued_hist[bucket(self._taken - handed)] += 1
         return op
 
     def _run(self) -> None:
@@ -95,10 +96,11 @@ class ThreadEngine(Engine):
                     error: BaseException | None = exc
                 else:
                     error = None
-                ran = monotonic_ns() - self._taken
-                self._run_hist[bucket(ran)] += 1
-                self._busy += ran
-                self._taken = 0
+                if self._taken:
+                    ran = monotonic_ns() - self._taken
+                    self._run_hist[bucket(ran)] += 1
+                    self._busy += ran
+                    self._taken = 0
                 complete(op, error)
                 current = None
         except BaseException as exc:  # the engine's own code failed: nobody must be left waiting

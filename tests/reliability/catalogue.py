@@ -199,6 +199,13 @@ ROWS: list[Row] = [
         _open_with("ARUNTIME_MMAP_MIN", "0", "CPU"),
     ),
     Row(
+        "env ARUNTIME_METRICS",
+        "`2`",
+        ValueError,
+        "ARUNTIME_METRICS='2' is out of range: it must be at least 0 and at most 1",
+        _open_with("ARUNTIME_METRICS", "2"),
+    ),
+    Row(
         "env ARUNTIME_CPU_AFFINITY",
         "`4096`",
         ValueError,

@@ -111,6 +111,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("ar_engine_join", None, [p]),
         ("ar_engine_free", None, [p]),
         ("ar_engine_field", c_size_t, [c_int]),
+        ("ar_engine_metrics", None, [p, c_int]),
         ("ar_now_ns", i64, []),
         ("ar_completion_new", p, [p, u64]),
     )

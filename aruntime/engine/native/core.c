@@ -370,6 +370,7 @@ typedef struct ar_engine {
   pthread_cond_t cond;
   _Atomic int sleeping;
   int64_t spin_ns;
+  int metrics; /* keep the clock-based metrics (set once, before the first submission) */
   /* failures and ranges, drained by Python */
   pthread_mutex_t log_lock;
   failure *fails;
@@ -512,10 +513,12 @@ static void *worker(void *arg) {
     if (cmd.kind == K_STOP) break;
     if (cmd.value != current) {
       current = cmd.value;
-      taken = now_ns();
-      atomic_store_explicit(&e->taken_at, taken, memory_order_relaxed);
-      atomic_fetch_add_explicit(&e->queued_hist[bucket(taken - cmd.t)], 1, memory_order_relaxed);
       atomic_store_explicit(&e->taken, current, memory_order_relaxed);
+      if (e->metrics) {
+        taken = now_ns();
+        atomic_store_explicit(&e->taken_at, taken, memory_order_relaxed);
+        atomic_fetch_add_explicit(&e->queued_hist[bucket(taken - cmd.t)], 1, memory_order_relaxed);
+      }
     }
     if (cmd.d && cmd.kind >= K_COPY && cmd.kind <= K_PY && skipping != cmd.value) {
       /* the op's first copy, kernel or check, its waits passed: d is its gate (skip flag, deadline ns) */
@@ -602,10 +605,12 @@ static void *worker(void *arg) {
     }
     if (cmd.flags & F_END) {
       if (skipping == cmd.value) skipping = 0;
-      int64_t ran = now_ns() - taken;
-      atomic_fetch_add_explicit(&e->run_hist[bucket(ran)], 1, memory_order_relaxed);
-      atomic_fetch_add_explicit(&e->busy_ns, (uint64_t)ran, memory_order_relaxed);
-      atomic_store_explicit(&e->taken_at, 0, memory_order_relaxed);
+      if (e->metrics) {
+        int64_t ran = now_ns() - taken;
+        atomic_fetch_add_explicit(&e->run_hist[bucket(ran)], 1, memory_order_relaxed);
+        atomic_fetch_add_explicit(&e->busy_ns, (uint64_t)ran, memory_order_relaxed);
+        atomic_store_explicit(&e->taken_at, 0, memory_order_relaxed);
+      }
       ar_sig_set(e->timeline, cmd.value);
     }
   }
@@ -665,7 +670,7 @@ static int append(ar_engine *e, const ar_cmd *cmds, uint32_t n, uint64_t value) 
     }
     atomic_store_explicit(&e->tail->next, first, memory_order_release);
   }
-  int64_t t = now_ns();
+  int64_t t = e->metrics ? now_ns() : 0;
   for (uint32_t i = 0; i < n; i++) {
     if (e->tail_pos == CHUNK) {
       e->tail = atomic_load(&e->tail->next);
@@ -984,6 +989,9 @@ void ar_engine_free(ar_engine *e) {
   pthread_cond_destroy(&e->py_cond);
   free(e);
 }
+
+/* Keep (1) or skip (0) the clock-based metrics: call before the first submission. */
+void ar_engine_metrics(ar_engine *e, int on) { e->metrics = on; }
 
 int64_t ar_now_ns(void) { return now_ns(); }
 

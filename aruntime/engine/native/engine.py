@@ -163,6 +163,7 @@ class NativeEngine(Engine):
         eng = lib.ar_engine_new(self.signal.ptr, spin_ns)
         if not eng:
             raise MemoryError(f"{self.signal.name}: the native engine could not start")
+        lib.ar_engine_metrics(eng, int(self.keeps_metrics))
         self.address: int = eng
         """The native engine's address (what other engines' dependency checks name)."""
         self.failures = _u64(eng + lib.ar_engine_field(1))
