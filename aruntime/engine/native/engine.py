@@ -183,6 +183,7 @@ class NativeEngine(Engine):
         self._failed: dict[int, tuple[int, int, int]] = {}  # op value -> (command index, kind, status)
         self._python: dict[int, Op] = {}  # op id -> op, for ops with commands the Python thread runs
         self._pended: list[tuple[Op, list[Any] | None]] = []  # ops pending in the core, not yet retired
+        self._pended_at = -1  # the signal value _pended was last looked through at (-1: changed since)
         self._thread: threading.Thread | None = None
         self._retire_lock = threading.Lock()
         self._joined = False
@@ -243,6 +244,7 @@ class NativeEngine(Engine):
             op.hold(self)
             with self._retire_lock:  # retire() replaces the list
                 self._pended.append((op, keep))
+                self._pended_at = -1
         for on_dispatch, dep in blockers:
             dep_engine = dep.engine
             assert isinstance(dep_engine, NativeEngine)
@@ -392,7 +394,7 @@ class NativeEngine(Engine):
             while inflight and inflight[0][0].value <= reached:
                 op, keep = inflight.popleft()
                 self._retire_op(op, op.value, keep, failed)
-            if self._pended:
+            if self._pended and (self._pended_at != reached or self.closed):  # else nothing new can be done
                 pended = []
                 for op, keep in self._pended:
                     cell = op.cell
@@ -405,6 +407,7 @@ class NativeEngine(Engine):
                     else:
                         pended.append((op, keep))
                 self._pended = pended
+                self._pended_at = reached
         for op in failed:
             self._note_failure(op)
 
