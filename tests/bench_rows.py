@@ -14,11 +14,11 @@ from benchmarks.common import REQUIRED_KEYS
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def quick_rows(*names: str) -> list[dict[str, Any]]:
-    """The rows the named benchmarks print in quick mode, each checked for the keys and types every row has."""
+def quick_json(*names: str, loops: str = "asyncio,uvloop,trio") -> list[dict[str, Any]]:
+    """The rows the named benchmarks print in quick mode on ``loops``, each checked for the keys every row has."""
     only = [arg for name in names for arg in ("--only", name)]
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--json", *only],
+        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--json", "--loops", loops, *only],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -29,6 +29,13 @@ def quick_rows(*names: str) -> list[dict[str, Any]]:
     assert rows, f"{names} printed no results"
     for row in rows:
         assert set(REQUIRED_KEYS) <= set(row), row
+    return rows
+
+
+def quick_rows(*names: str) -> list[dict[str, Any]]:
+    """:func:`quick_json` on every loop, each row's figures also checked to be positive numbers."""
+    rows = quick_json(*names)
+    for row in rows:
         for key in ("value", "baseline", "ratio"):
             assert isinstance(row[key], (int, float)) and math.isfinite(row[key]) and row[key] > 0, row
         assert isinstance(row["name"], str) and isinstance(row["unit"], str) and isinstance(row["goal"], str)

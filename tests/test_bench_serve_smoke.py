@@ -7,7 +7,6 @@ Only the shape of the output is checked: timing goals live in the benchmarks, ne
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from benchmarks.common import REQUIRED_KEYS
+from tests.bench_rows import quick_json
 
 pytest.importorskip("uvicorn", reason="the serve extra (uvicorn) is not installed")
 
@@ -27,19 +26,9 @@ NAMES = {"serve_http_vs_numpy", "serve_http_vs_to_thread", "serve_http_ceiling"}
 
 
 def test_serve_benchmark_quick_json() -> None:
-    command = [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--json"]
-    proc = subprocess.run(
-        [*command, "--only", "serve_http", "--loops", "uvloop,trio"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    rows = quick_json("serve_http", loops="uvloop,trio")
     assert {(r["name"], r["loop"]) for r in rows} == {(n, loop) for n in NAMES for loop in ("uvloop", "trio")}
     for row in rows:
-        assert set(REQUIRED_KEYS) <= set(row), row
         if row["loop"] == "trio":
             assert row["skipped"] == "uvicorn does not run on trio" and row["pass"] is None
             continue
