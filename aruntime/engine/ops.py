@@ -392,6 +392,8 @@ class Engine:
 
     def __init__(self, device: str, kind: str, timeout: float) -> None:
         self.device = device
+        self.keeps_metrics: bool = getenv("METRICS", 1, minimum=0, maximum=1) == 1  # a bad value: nothing made yet
+        """Whether the engine times its ops for :meth:`metrics` (``ARUNTIME_METRICS=0``: counts only)."""
         self.kind = kind
         self.is_copy = kind == "copy"
         self.signal = TimelineSignal(f"{device} {kind} queue", timeout)
@@ -403,8 +405,6 @@ class Engine:
         self._lock = threading.Lock()  # submissions
         self._failed_lock = threading.Lock()
         self._mark = (time.monotonic_ns(), 0)  # (when, busy ns) at the last metrics() call
-        self.keeps_metrics: bool = getenv("METRICS", 1, minimum=0, maximum=1) == 1
-        """Whether the engine times its ops for :meth:`metrics` (``ARUNTIME_METRICS=0``: counts only)."""
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.signal.name}>"

@@ -122,6 +122,11 @@ class NativeRangeLog(RangeLog):
 
     __slots__ = ("_count", "_eng", "_lib", "_seen")
 
+    def __init__(self, device: str, is_copy: bool) -> None:
+        super().__init__(device, is_copy)
+        self._count = memoryview(array("Q", [0]))  # until bound (an engine that failed to start never is)
+        self._seen = 0
+
     def bind(self, lib: ctypes.CDLL, eng: int) -> None:
         """Read the ranges of the native engine at ``eng``."""
         self._lib = lib
