@@ -32,6 +32,7 @@ from aruntime.engine import (
     dispatch_when_ready,
     first_failure,
 )
+from aruntime.engine.ops import SHARED, SKIP
 from aruntime.errors import BufferUsageError, DeviceError, SignalTimeout
 from aruntime.events import GraphEntry, GraphEvent, recorder
 from aruntime.helpers import after_all
@@ -440,6 +441,9 @@ class Graph:
             # parts that consume what it should have written
             outside = [d for d in inputs[engine] if d not in mine]
             ops[engine].inputs = outside + [ops[f] for f in plan.feeds[engine]]
+            for producer in outside:  # a replay is never skipped: a request it reads from is not either
+                if producer.gate is not None and not producer.gate[SKIP]:
+                    producer.gate[SHARED] = 1
         # all engines' parts go together, once every outside dependency is on its queue: their progress
         # waits on one another must never sit in front of an outside op they depend on
         parts = list(ops.values())

@@ -16,8 +16,10 @@ client went away, or whose deadline passed, are skipped rather than run.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
+import math
 import threading
 import time
 from array import array
@@ -127,21 +129,28 @@ class Scheduler:
         observed: it is raised neither at the scheduler's exit nor by ``synchronize``.
 
         The native and Python engines (CPU, NULL, DISK devices) skip; CL and CUDA queues run what was handed to
-        their driver. A request belongs to one task (a context variable carries it), and requests nest
-        (the innermost one owns the ops).
+        their driver. A request belongs to one task (a context variable carries it; a task started inside it
+        belongs to it while it is open), and a request opened inside another of the same scheduler joins it: one
+        skip covers both, and the inner deadline bounds the inner block. Graph replays are never skipped, and
+        a request that a replay reads from is not either.
         """
         if deadline is not None and (
-            not isinstance(deadline, (int, float)) or isinstance(deadline, bool) or not deadline > 0
+            not isinstance(deadline, (int, float)) or isinstance(deadline, bool) or not 0 < deadline < math.inf
         ):
-            raise ValueError(f"deadline must be a positive number of seconds, got {deadline!r}")
+            raise ValueError(f"deadline must be a positive, finite number of seconds, got {deadline!r}")
         return Request(self, deadline)
 
-    def _gate(self) -> array[int]:
-        """The gate of an op submitted now: its task's innermost open request of this scheduler's, else the
-        scheduler's own."""
+    def _open_request(self) -> Request | None:
+        """The current task's innermost request of this scheduler that is still open (a task started inside a
+        request that has ended since is in none)."""
         request = _current_request.get()
-        while request is not None and request.scheduler is not self:
-            request = request.outer
+        while request is not None and (request.scheduler is not self or request not in self._requests):
+            request = request.enclosing
+        return request
+
+    def _gate(self) -> array[int]:
+        """The gate of an op submitted now: its task's open request's, else the scheduler's own."""
+        request = self._open_request()
         return self._own_gate if request is None else request.gate
 
     @property
@@ -349,7 +358,8 @@ _current_request: contextvars.ContextVar[Request | None] = contextvars.ContextVa
 
 class Request:
     """The ops one task submits through a scheduler inside ``async with sched.request():`` (see
-    :meth:`Scheduler.request`)."""
+    :meth:`Scheduler.request`). A request opened inside another of the same scheduler joins it: one skip
+    covers both, and its own deadline bounds its own block."""
 
     def __init__(self, scheduler: Scheduler, deadline: float | None) -> None:
         self.scheduler = scheduler
@@ -357,8 +367,13 @@ class Request:
         """Seconds the block may take (None: no bound)."""
         self.gate = new_gate()
         self.outer: Request | None = None
+        """The request of the same scheduler this one was opened in, if any (they share the gate)."""
+        self.enclosing: Request | None = None
+        """The task's request (of any scheduler) this one was opened in."""
         self._scope: anyio.CancelScope | None = None
         self._token: contextvars.Token[Request | None] | None = None
+        self._entered = False
+        self._deadline_before = 0  # the gate's deadline before this block set its own
 
     @property
     def skipped(self) -> bool:
@@ -374,13 +389,19 @@ class Request:
         await checkpoint()
         if not self.scheduler._open:
             raise RuntimeError("the scheduler is not open: use `async with Scheduler() as sched:`")
-        if self._token is not None:
-            raise RuntimeError("this request is already open")
+        if self._entered:
+            raise RuntimeError("a request is entered once: make a new one with sched.request()")
+        self._entered = True
+        self.enclosing = _current_request.get()
+        self.outer = self.scheduler._open_request()
+        if self.outer is not None:
+            self.gate = self.outer.gate
+        self._deadline_before = self.gate[DEADLINE]
         if self.deadline is not None:
-            self.gate[DEADLINE] = time.monotonic_ns() + int(self.deadline * 1e9)
+            end = min(time.monotonic_ns() + int(self.deadline * 1e9), 1 << 62)
+            self.gate[DEADLINE] = min(end, self._deadline_before or end)
             self._scope = anyio.CancelScope(deadline=anyio.current_time() + self.deadline)
             self._scope.__enter__()
-        self.outer = _current_request.get()
         self._token = _current_request.set(self)
         self.scheduler._requests.add(self)
         return self
@@ -388,16 +409,21 @@ class Request:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> bool:
-        assert self._token is not None
-        _current_request.reset(self._token)
-        self.scheduler._requests.discard(self)
-        if exc_type is not None:
-            self.skip()
-        if self._scope is None:
-            return False
-        swallowed = self._scope.__exit__(exc_type, exc, tb)
-        if self._scope.cancelled_caught:
+        swallowed = False
+        try:
+            self.scheduler._requests.discard(self)
+            if exc_type is not None:
+                self.skip()
+            else:  # ended in time: what it left running is bounded by the enclosing request only
+                self.gate[DEADLINE] = self._deadline_before
+            if self._token is not None:
+                with contextlib.suppress(ValueError):  # left in another context (a framework's): that one's value
+                    _current_request.reset(self._token)
+        finally:
+            if self._scope is not None:
+                swallowed = bool(self._scope.__exit__(exc_type, exc, tb))
+        if self._scope is not None and self._scope.cancelled_caught:
             raise DeadlineExceeded(
                 f"request deadline of {self.deadline:g} s passed: its ops that had not started were skipped"
             )
-        return bool(swallowed)
+        return swallowed

@@ -127,8 +127,8 @@ async def test_an_op_running_when_its_deadline_passes_finishes_and_is_done() -> 
 
 async def test_bad_requests_are_refused() -> None:
     async with Scheduler() as sched:
-        for bad in (0, -1.0, float("nan"), True, "1"):
-            with pytest.raises(ValueError, match="deadline must be a positive number of seconds"):
+        for bad in (0, -1.0, float("nan"), float("inf"), True, "1"):
+            with pytest.raises(ValueError, match="deadline must be a positive, finite number of seconds"):
                 sched.request(deadline=bad)  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="the scheduler is not open"):
         async with sched.request():
@@ -167,3 +167,72 @@ async def test_cancelling_requests_at_random_points_leaves_memory_at_its_baselin
     assert finished == requests
     await dev.synchronize()
     assert dev.allocator.in_use == baseline
+
+
+async def test_a_request_that_ended_in_time_leaves_its_running_work_alone_past_its_deadline() -> None:
+    dev, flag, _, add = await _blocked("CPU:36")
+    async with dev.buffer(16) as buf, Scheduler() as sched:
+        await dev.copyin(buf, bytes(16))
+        async with sched.request(deadline=0.05):
+            left = sched.launch(add, buf, vals=(16,))  # not awaited: the block ends at once, in time
+        await anyio.sleep(0.1)  # the deadline passes while the op is still queued behind the gate
+        await _open(dev, flag)
+        assert await left is None and left.error is None
+        assert bytes(await dev.copyout(buf)) == bytes([1]) * 16
+
+
+async def test_a_request_read_outside_it_is_not_skipped_at_its_deadline_either() -> None:
+    dev, flag, _, add = await _blocked("CPU:37")
+    async with dev.buffer(16) as buf, Scheduler() as sched:
+        await dev.copyin(buf, bytes(16))
+        with pytest.raises(DeadlineExceeded):
+            async with sched.request(deadline=0.05):
+                ran = sched.launch(add, buf, vals=(16,))
+                outside = dev.copyout(buf)  # another reader, outside the request
+                await ran
+        await _open(dev, flag)
+        assert await ran is None
+        assert bytes(await outside) == bytes([1]) * 16
+
+
+async def test_a_nested_request_joins_the_enclosing_one() -> None:
+    dev, flag, _, add = await _blocked("CPU:38")
+    async with dev.buffer(16) as buf, Scheduler() as sched:
+        await dev.copyin(buf, bytes(16))
+        with anyio.CancelScope() as scope:
+            async with sched.request() as outer:
+                first = sched.launch(add, buf, vals=(16,))
+                async with sched.request() as inner:
+                    second = sched.launch(add, buf, vals=(16,))  # reads what the outer request's op writes
+                    assert inner.gate is outer.gate
+                    scope.cancel()
+                    await second
+        assert outer.skipped and inner.skipped
+        await _open(dev, flag)
+        for op in (first, second):
+            with pytest.raises(OpSkipped):
+                await op
+
+
+async def test_a_task_started_in_a_request_that_has_ended_submits_outside_it() -> None:
+    dev = Device["CPU:39"]
+    add = await dev.compile(ADD_ONE)
+    async with dev.buffer(16) as buf, Scheduler() as sched:
+        await dev.copyin(buf, bytes(16))
+        ops: list[Any] = []
+        async with anyio.create_task_group() as tg:
+            started = anyio.Event()
+            go = anyio.Event()
+
+            async def later() -> None:
+                started.set()
+                await go.wait()
+                ops.append(sched.launch(add, buf, vals=(16,)))
+
+            async with sched.request() as request:
+                tg.start_soon(later)
+                await started.wait()
+            request.skip()  # what the ended request submitted is skipped; the task's later op is not its
+            go.set()
+        assert await ops[0] is None
+        assert bytes(await dev.copyout(buf)) == bytes([1]) * 16

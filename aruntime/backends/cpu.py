@@ -335,8 +335,13 @@ class CPUDevice(BaseDevice):
             raise ValueError(
                 f"{self.name}: cpu must be one of the CPUs this process may use {sorted(allowed)}, not {cpu!r}"
             )
-        for engine in (self.compute, self.copy):
-            engine.pin(allowed if cpu is None else (cpu,))
+        self.check_usable("cpu")
+        self.compute.pin(allowed if cpu is None else (cpu,))
+        try:
+            self.copy.pin(allowed if cpu is None else (cpu,))
+        except BaseException:
+            self.compute.pin(allowed if self._cpu is None else (self._cpu,))  # both queues stay where they were
+            raise
         self._cpu = cpu
 
     @property

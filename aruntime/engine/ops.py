@@ -63,7 +63,7 @@ def gate_error(op: Op) -> OpSkipped | None:
     """Whether ``op``'s gate says to skip it now (the error it then fails with), else None (an engine asks just
     before the op's first copy or kernel)."""
     gate = op.gate
-    if gate is None:
+    if gate is None or gate[SHARED]:
         return None
     if gate[DEADLINE] and time.monotonic_ns() >= gate[DEADLINE]:
         return skip_error(op, True)
@@ -436,7 +436,11 @@ class Engine:
 
     def pin(self, cpus: Collection[int]) -> None:
         """Run this engine's commands on ``cpus`` only (Linux; ``os.sched_getaffinity(0)`` of the process
-        to let it run anywhere again). An ``OSError`` names a CPU the process may not use."""
+        to let it run anywhere again). An ``OSError`` names a CPU the process may not use; a closed engine, or
+        one whose commands run on no thread of its own (a driver's queue), is a :class:`DeviceError`."""
+        if not self.thread_id:
+            raise DeviceError(f"{self.signal.name} runs its commands on no thread of its own: nothing to pin")
+        self.check_open(f"pin {self.signal.name}")  # its thread has ended: its id may name another thread
         os.sched_setaffinity(self.thread_id, cpus)
 
     def counters(self) -> tuple[int, int, Sequence[int], Sequence[int]]:
@@ -457,7 +461,7 @@ class Engine:
         value = self.signal.value
         started, busy, queued_hist, run_hist = self.counters()
         last = self.last
-        held = len(self.held)
+        held = sum(1 for op in list(self.held) if op.cell is None or not op.cell[0])  # not yet handed on
         now = time.monotonic_ns()
         mark, mark_busy = self._mark
         self._mark = (now, busy)

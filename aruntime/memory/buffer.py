@@ -46,7 +46,7 @@ def zeroed(nbytes: int) -> memoryview:
     not the event loop), below that a ``bytearray``."""
     if nbytes < LAZY_ZEROS_MIN:
         return memoryview(bytearray(nbytes))
-    return memoryview(mmap.mmap(-1, nbytes))
+    return memoryview(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
 
 
 def typed(view: memoryview, dtype: DType) -> memoryview:

@@ -521,9 +521,10 @@ static void *worker(void *arg) {
       }
     }
     if (cmd.d && cmd.kind >= K_COPY && cmd.kind <= K_PY && skipping != cmd.value) {
-      /* the op's first copy, kernel or check, its waits passed: d is its gate (skip flag, deadline ns) */
+      /* the op's first copy, kernel or check, its waits passed: d is its gate (skip flag, deadline ns, shared) */
       const int64_t *gate = (const int64_t *)(uintptr_t)cmd.d;
-      int kind = (gate[1] && now_ns() >= gate[1])          ? E_DEADLINE
+      int kind = __atomic_load_n(&gate[2], __ATOMIC_ACQUIRE)  ? 0 /* read by work outside: never skipped */
+                 : (gate[1] && now_ns() >= gate[1])          ? E_DEADLINE
                  : __atomic_load_n(&gate[0], __ATOMIC_ACQUIRE) ? E_SKIPPED
                                                                : 0;
       if (kind) {
