@@ -15,6 +15,7 @@ from aruntime.helpers import after_all, canonicalize, checkpoint
 from aruntime.memory import dlpack
 from aruntime.memory.allocator import DEFAULT_SPEC, Allocator, BufferSpec, HostAllocator, defer
 from aruntime.memory.hazards import AccessLog
+from aruntime.memory.pinning import refuse_pointers
 
 if TYPE_CHECKING:
     from aruntime.device import BaseDevice
@@ -47,6 +48,17 @@ def zeroed(nbytes: int) -> memoryview:
     if nbytes < LAZY_ZEROS_MIN:
         return memoryview(bytearray(nbytes))
     return memoryview(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
+
+
+def _host_view(obj: object, what: str) -> memoryview:
+    """A view of the host memory ``obj`` for a blocking copy; a :class:`BufferUsageError` naming ``what`` if it
+    has none, or one that holds pointers (see :func:`~aruntime.memory.pinning.refuse_pointers`)."""
+    try:
+        view = memoryview(obj)  # type: ignore[arg-type]  # checked here: anything else is refused
+    except (TypeError, ValueError) as exc:
+        raise BufferUsageError(f"{what}: expected a buffer-protocol object, got {type(obj).__name__}: {exc}") from None
+    refuse_pointers(view.format, obj)
+    return view
 
 
 def typed(view: memoryview, dtype: DType) -> memoryview:
@@ -277,7 +289,7 @@ class Buffer:
 
     def copyin(self, src: memoryview) -> Buffer:
         """Copy ``src`` (exactly ``nbytes`` long) into the buffer, blocking this thread."""
-        src = memoryview(src)
+        src = _host_view(src, "copyin source")
         if src.nbytes != self.nbytes:
             raise BufferUsageError(f"copyin of {src.nbytes} bytes into {self!r} of {self.nbytes} bytes")
         handle = self.handle
@@ -287,7 +299,7 @@ class Buffer:
 
     def copyout(self, dest: memoryview) -> memoryview:
         """Copy the buffer into ``dest`` (exactly ``nbytes`` long), blocking this thread."""
-        dest = memoryview(dest)
+        dest = _host_view(dest, "copyout destination")
         if dest.nbytes != self.nbytes:
             raise BufferUsageError(f"copyout of {self!r} ({self.nbytes} bytes) into {dest.nbytes} bytes")
         handle = self.handle
