@@ -45,6 +45,11 @@ class DependencyError(OpError):
         self.first = first
 
 
+class DeviceLost(OpError, DeviceError):
+    """An op failed because the device it ran on (or read from) is gone: for a RAY device, its Ray actor died
+    (its node failed or left the cluster, or a kernel crashed it)."""
+
+
 class OpSkipped(OpError):
     """An op did not run: the request (or scheduler) it was submitted in was cancelled before the op started
     (see :meth:`~aruntime.scheduler.Scheduler.request`)."""

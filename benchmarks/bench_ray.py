@@ -1,4 +1,5 @@
-"""RAY devices against bare Ray, on a local cluster (``ray.init(num_cpus=2)``) started by the first benchmark.
+"""RAY devices against bare Ray, on a local cluster of three nodes started by the first benchmark (see
+:func:`_cluster`): the single-node rows run on its head node, ``ray_transfer_nodes`` between its two others.
 
 * ``ray_launch_overhead``: one awaited empty launch on a RAY device against one awaited call of an empty
   method of a bare async actor (goal <= 1.3x).
@@ -6,7 +7,9 @@
   pipeline over one (goal >= 1.6x faster), and against the same two-device pipeline on local CPU devices
   (the row's ``local_two_vs_one_speedup`` is what two local devices gain over one in the same run).
 * ``ray_transfer``: bytes/s of a transfer between two RAY devices against a bare ``ray.put`` in one actor and
-  ``ray.get`` (into memory it owns) in another, of the same size (goal >= 0.8).
+  ``ray.get`` (into memory it owns) in another, of the same size (goal >= 0.8), all on one node.
+* ``ray_transfer_nodes``: the same from a RAY device on node ``n1`` to one on node ``n2`` (each with its own
+  raylet and object store), against the bare put on ``n1`` and get on ``n2`` (goal >= 0.8).
 
 Without ray installed, ``BENCHMARKS`` is empty.
 """
@@ -14,9 +17,12 @@ Without ray installed, ``BENCHMARKS`` is empty.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import importlib.util
+import os
 import pickle
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import aruntime
@@ -40,11 +46,29 @@ void kernel(float *out, const float *x, int64_t n, int64_t work) {
 EMPTY = "void kernel(void) {}"
 
 
-def _cluster() -> Any:
-    import ray
+STORE = 256 << 20
+"""Each node's object store, bytes."""
 
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+
+def _cluster() -> Any:
+    """Ray, joined to a local cluster of three nodes on this machine (started once): ``head`` (2 CPUs), where
+    the single-node rows' devices run, and ``n1`` and ``n2`` (no CPUs), each with its own raylet and object
+    store, for the node-to-node row. Its workers import the same aruntime as this process."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        return ray
+    root = str(Path(aruntime.__file__).resolve().parents[1])
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    head = {"num_cpus": 2, "node_name": "head", "object_store_memory": STORE, "include_dashboard": False}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
+    for name in ("n1", "n2"):
+        cluster.add_node(num_cpus=0, node_name=name, object_store_memory=STORE)
+    cluster.wait_for_nodes()
+    atexit.register(cluster.shutdown)
+    ray.init(address=cluster.address, log_to_driver=False)
+    atexit.register(ray.shutdown)  # runs first: the driver leaves before its cluster ends
     return ray
 
 
@@ -67,14 +91,21 @@ class _Bare:
         memoryview(self.data)[:] = memoryview(await box[0]).cast("B")
 
 
-_actors: dict[int, Any] = {}
+_actors: dict[tuple[int, int, str], Any] = {}
 
 
-def _bare(nbytes: int, which: int) -> Any:
+def _bare(nbytes: int, which: int, node: str = "head") -> Any:
+    """A bare actor (``which`` tells apart two of one size) on the node named ``node``."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from aruntime.backends.ray import nodes
+
     ray = _cluster()
-    key = nbytes * 2 + which
+    key = (nbytes, which, node)
     if key not in _actors:
-        _actors[key] = ray.remote(_Bare).options(num_cpus=0).remote(nbytes)
+        node_id = next(n.id for n in nodes() if n.name == node)
+        where = NodeAffinitySchedulingStrategy(node_id, soft=False)
+        _actors[key] = ray.remote(_Bare).options(num_cpus=0, scheduling_strategy=where).remote(nbytes)
     return _actors[key]
 
 
@@ -97,7 +128,7 @@ async def _many(count: int, one: Callable[[], Awaitable[object]]) -> None:
 async def ray_launch_overhead() -> list[Result]:
     """An awaited empty remote launch vs an awaited call of a bare actor's empty method."""
     _cluster()
-    dev = Device["RAY:any/CPU:1"]
+    dev = Device["RAY:head/CPU:1"]
     prog = await dev.compile(EMPTY)
     actor = _bare(1, 0)
     count, repeats = (20, 1) if settings.quick else (200, 7)
@@ -158,14 +189,14 @@ async def ray_pipeline() -> list[Result]:
     quick = settings.quick
     items, repeats = (4, 1) if quick else (16, 5)
     n, work = 4096, 200 if quick else 2000  # about 10 ms a kernel here when not quick
-    devs = {name: Device[name] for name in ("RAY:any/CPU:1", "RAY:any/CPU:2", "CPU:1", "CPU:2")}
+    devs = {name: Device[name] for name in ("RAY:head/CPU:1", "RAY:head/CPU:2", "CPU:1", "CPU:2")}
     progs = {name: await dev.compile(SPIN, outs=(0,)) for name, dev in devs.items()}
 
     def stage(name: str) -> tuple[BaseDevice, Program]:
         return devs[name], progs[name]
 
-    one = await _pipeline(stage("RAY:any/CPU:1"), stage("RAY:any/CPU:1"), items, n, work)
-    two = await _pipeline(stage("RAY:any/CPU:1"), stage("RAY:any/CPU:2"), items, n, work)
+    one = await _pipeline(stage("RAY:head/CPU:1"), stage("RAY:head/CPU:1"), items, n, work)
+    two = await _pipeline(stage("RAY:head/CPU:1"), stage("RAY:head/CPU:2"), items, n, work)
     local = await _pipeline(stage("CPU:1"), stage("CPU:2"), items, n, work)
     local_one = await _pipeline(stage("CPU:1"), stage("CPU:1"), items, n, work)
     one_s, two_s = await interleaved(one, two, repeats)
@@ -202,15 +233,15 @@ async def ray_pipeline() -> list[Result]:
     ]
 
 
-@loop_independent
-async def ray_transfer() -> list[Result]:
-    """Bytes/s of a RAY-to-RAY transfer vs a bare put in one actor and get in another."""
+async def _transfer(name: str, first: str, second: str, nodes: tuple[str, str]) -> list[Result]:
+    """Bytes/s of a transfer from RAY device ``first`` to ``second`` vs a bare put in an actor on the first
+    of ``nodes`` and a get in one on the second."""
     _cluster()
     nbytes, repeats = (1 << 20, 1) if settings.quick else (64 << 20, 7)
-    r1, r2 = Device["RAY:any/CPU:1"], Device["RAY:any/CPU:2"]
+    r1, r2 = Device[first], Device[second]
     src, dst = await r1.allocate(nbytes), await r2.allocate(nbytes)
     await r1.copyin(src, bytes(nbytes))
-    a, b = _bare(nbytes, 0), _bare(nbytes, 1)
+    a, b = _bare(nbytes, 0, nodes[0]), _bare(nbytes, 1, nodes[1])
 
     async def ours() -> None:
         await aruntime.transfer(dst, src)
@@ -224,7 +255,7 @@ async def ray_transfer() -> list[Result]:
     ratio = base_s / ours_s
     return [
         result(
-            "ray_transfer",
+            name,
             nbytes / ours_s / 1e9,
             "GB/s",
             nbytes / base_s / 1e9,
@@ -237,6 +268,20 @@ async def ray_transfer() -> list[Result]:
     ]
 
 
+@loop_independent
+async def ray_transfer() -> list[Result]:
+    """Bytes/s of a RAY-to-RAY transfer within one node vs a bare put in one actor and get in another."""
+    return await _transfer("ray_transfer", "RAY:head/CPU:1", "RAY:head/CPU:2", ("head", "head"))
+
+
+@loop_independent
+async def ray_transfer_nodes() -> list[Result]:
+    """Bytes/s of a RAY-to-RAY transfer from node n1 to node n2 vs a bare put on n1 and get on n2."""
+    return await _transfer("ray_transfer_nodes", "RAY:n1/CPU", "RAY:n2/CPU", ("n1", "n2"))
+
+
 BENCHMARKS: list[Benchmark] = (
-    [ray_launch_overhead, ray_pipeline, ray_transfer] if importlib.util.find_spec("ray") is not None else []
+    [ray_launch_overhead, ray_pipeline, ray_transfer, ray_transfer_nodes]
+    if importlib.util.find_spec("ray") is not None
+    else []
 )

@@ -1,8 +1,11 @@
 """RAY devices: a device of any kind on another host, driven through a Ray actor.
 
 ``Device["RAY:<host>/<device>"]`` opens ``<device>`` (``CPU``, ``CPU:1``, ...)
-inside a Ray actor on ``<host>``: ``any`` (wherever Ray places it), a node's
-IP address, or a node id (hex). The driver holds handles; the memory, the
+inside a Ray actor on ``<host>``: ``any`` (wherever Ray places it), or the one
+live node named by its Ray node name, its node id (or a prefix of at least 8
+hex digits), its IP address or its host name (see
+:mod:`~aruntime.backends.ray.nodes`; :func:`devices` lists the devices of the
+live nodes by these names). The driver holds handles; the memory, the
 compiler and its cache, and the engines are the remote host's.
 
 How it maps onto the engine interface: each op of a RAY device becomes one
@@ -22,24 +25,30 @@ RAY device and a local one moves the bytes through the driver, which is where
 the local device is.
 
 Modules: :mod:`~aruntime.backends.ray.driver` (the device, its engines and
-allocator), :mod:`~aruntime.backends.ray.host` (the actor) and
+allocator), :mod:`~aruntime.backends.ray.host` (the actor), :mod:`~aruntime.backends.ray.nodes`
+(naming and listing the nodes) and
 :mod:`~aruntime.backends.ray.wire` (what travels between them). Ray is
 imported only here; without it the backend still loads, and opening a RAY
 device says what is missing.
 """
 
-from aruntime.backends.ray.driver import DeviceLost, RayEngine, RemoteAllocator, RemoteDevice, RemoteProgram
+from aruntime.backends.ray.driver import RayEngine, RemoteAllocator, RemoteDevice, RemoteProgram
 from aruntime.backends.ray.host import HostActor
+from aruntime.backends.ray.nodes import Node, devices, nodes
 from aruntime.backends.ray.wire import RemoteHandle
+from aruntime.errors import DeviceLost
 
 __all__ = [
     "DeviceLost",
     "HostActor",
+    "Node",
     "RayEngine",
     "RemoteAllocator",
     "RemoteDevice",
     "RemoteHandle",
     "RemoteProgram",
+    "devices",
+    "nodes",
 ]
 
 device_class = RemoteDevice

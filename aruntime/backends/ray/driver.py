@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 
 from aruntime.backends.ray.host import actor_class
+from aruntime.backends.ray.nodes import node_id
 from aruntime.backends.ray.wire import (
     RemoteHandle,
     Result,
@@ -30,17 +31,13 @@ from aruntime.device import BaseDevice, Program, Window
 from aruntime.device.args import _indices
 from aruntime.dtype import DType, dtypes
 from aruntime.engine import COPY, EXEC, SIGNAL, WAIT, Command, Engine, Op, Sample, check_deps, estimate_offset
-from aruntime.errors import BufferUsageError, DeviceError, OpError, SignalTimeout
+from aruntime.errors import BufferUsageError, DeviceError, DeviceLost, OpError, SignalTimeout
 from aruntime.events import DeviceEvent, RangeEvent, now_us, recorder
 from aruntime.helpers import after_all, canonicalize, checkpoint
 from aruntime.memory import Buffer, BufferSpec, LRUAllocator
 
 MAX_CONCURRENCY = 10_000
 """Calls an actor runs at once (its ops; they wait for their turn, then for their op)."""
-
-
-class DeviceLost(OpError, DeviceError):
-    """An op failed because the Ray actor of the RAY device it ran on (or read from) died."""
 
 
 class RemoteProgram(Program):
@@ -268,7 +265,7 @@ class RemoteDevice(BaseDevice):
         if not (sep and host and inner):
             raise DeviceError(
                 f"{name}: a RAY device is named RAY:<host>/<device>, e.g. RAY:any/CPU:1 "
-                "(host: any, a node's IP address or a node id)"
+                "(host: any, or a live node's name, id (or a prefix of 8+ hex digits), IP address or host name)"
             )
 
     def __init__(self, name: str) -> None:
@@ -295,7 +292,7 @@ class RemoteDevice(BaseDevice):
         if host != "any":
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(_node_id(name, host), soft=False)
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id(name, host), soft=False)
         self.actor = actor_class().options(**options).remote(inner, name)
         self._run = self.actor.run
         try:
@@ -569,13 +566,3 @@ def _relay(answer: concurrent.futures.Future[Result], future: concurrent.futures
         answer.set_exception(exc)
     else:
         answer.set_result(future.result())
-
-
-def _node_id(name: str, host: str) -> str:
-    """The id of the live Ray node ``host`` names (its id or its IP address or host name)."""
-    alive = [node for node in ray.nodes() if node.get("Alive")]  # type: ignore[no-untyped-call]
-    for node in alive:
-        if host in (node.get("NodeID"), node.get("NodeManagerAddress"), node.get("NodeManagerHostname")):
-            return str(node["NodeID"])
-    known = ", ".join(f"{n.get('NodeManagerAddress')} ({n.get('NodeID')})" for n in alive)
-    raise DeviceError(f"{name}: no live Ray node is {host!r}; live nodes: {known or 'none'}")

@@ -203,7 +203,11 @@ def _import(allocator: Any, handle: Any, source: str, src: tuple[str, Any]) -> N
         if failure is not None:
             raise unpack_error(failure)
         payload = value
-    allocator._copyin(handle, materialize(payload))
+    try:
+        data = materialize(payload)
+    except ray.exceptions.RayError as exc:  # the bytes were put by the source's actor, which died since
+        raise DeviceError(f"{source} is lost ({first_line(exc)})") from None
+    allocator._copyin(handle, data)
 
 
 @functools.cache
