@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from aruntime import Buffer, Device, Program, dtypes
+from aruntime import Buffer, Device, Program, dtypes, transfer
 from aruntime.graph import Graph
 from aruntime.scheduler import Scheduler
 from tests.kernels import ACCUMULATE, AFFINE
@@ -148,38 +148,47 @@ async def setup(
     return affine, accumulate, ref, roots
 
 
-async def check_through_scheduler(names: Sequence[str], case: Case) -> None:
-    """Run ``case``'s program through a :class:`Scheduler` over the devices ``names``; check every copy-out and
-    the buffers' final bytes against :func:`reference`."""
+async def check_through_scheduler(names: Sequence[str], case: Case, direct: Sequence[bool] = ()) -> None:
+    """Run ``case``'s program through a :class:`Scheduler` over the devices ``names`` (op ``i`` straight on its
+    device instead where ``direct[i]``); check every copy-out and the buffers' final bytes against
+    :func:`reference`."""
     n_dev, homes, ops, window = case
     affine, accumulate, ref, roots = await setup(names[:n_dev], homes)
     expected = reference(ref, ops)
     handles = []
     with anyio.fail_after(60):
         async with Scheduler(window=window) as sched:
-            for op in ops:
+            for i, op in enumerate(ops):
+                on_device = i < len(direct) and direct[i]
                 kind = op[0]
                 if kind == "copyin":
                     r, data = op[1], op[2]
                     assert isinstance(r, Region)
-                    sched.copyin(view_of(roots, r), data)
-                elif kind == "affine":
-                    r, a, c = op[1], op[2], op[3]
-                    assert isinstance(r, Region) and isinstance(a, int) and isinstance(c, int)
-                    sched.launch(affine[roots[r.buf].device], view_of(roots, r), vals=(r.length, a, c))
-                elif kind == "accumulate":
-                    o, x = op[1], op[2]
-                    assert isinstance(o, Region) and isinstance(x, Region)
-                    prog = accumulate[roots[o.buf].device]
-                    sched.launch(prog, view_of(roots, o), view_of(roots, x), vals=(o.length,))
+                    buf = view_of(roots, r)
+                    (buf.owner.copyin if on_device else sched.copyin)(buf, data)
+                elif kind in ("affine", "accumulate"):
+                    r = op[1]
+                    assert isinstance(r, Region)
+                    if kind == "affine":
+                        prog, bufs, vals = affine[roots[r.buf].device], [view_of(roots, r)], (r.length, op[2], op[3])
+                    else:
+                        x = op[2]
+                        assert isinstance(x, Region)
+                        prog, bufs, vals = (
+                            accumulate[roots[r.buf].device],
+                            [view_of(roots, r), view_of(roots, x)],
+                            (r.length,),
+                        )
+                    (prog.device.launch if on_device else sched.launch)(prog, *bufs, vals=vals)  # type: ignore[arg-type]
                 elif kind == "copyout":
                     r = op[1]
                     assert isinstance(r, Region)
-                    handles.append(sched.copyout(view_of(roots, r)))
+                    buf = view_of(roots, r)
+                    handles.append((buf.owner.copyout if on_device else sched.copyout)(buf))
                 else:
                     dst, src = op[1], op[2]
                     assert isinstance(dst, Region) and isinstance(src, Region)
-                    sched.transfer(view_of(roots, dst), view_of(roots, src))
+                    (transfer if on_device else sched.transfer)(view_of(roots, dst), view_of(roots, src))
         got = [bytes(await h) for h in handles]
         assert got == expected
         finals = [bytes(await root.owner.copyout(root)) for root in roots]
@@ -193,6 +202,16 @@ async def check_through_scheduler(names: Sequence[str], case: Case) -> None:
 @given(case=programs())
 async def test_random_programs_match_sequential_reference(case: Case) -> None:
     await check_through_scheduler(DEVICES, case)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=programs(), direct=st.lists(st.booleans(), min_size=25, max_size=25))
+async def test_random_programs_mixing_direct_and_scheduled_ops_match_sequential_reference(
+    case: Case, direct: list[bool]
+) -> None:
+    """Ops straight on a device ordered against ops a scheduler holds: a direct op whose dependency is held
+    (pending in the native core) on another queue must still wait for it to be done."""
+    await check_through_scheduler(DEVICES, case, direct)
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))

@@ -38,10 +38,12 @@ def dispatch_when_ready(
     its dependencies on other queues are done, so that later independent work on
     its queue is not stuck behind it; this is how a :class:`~aruntime.scheduler.Scheduler`,
     whose ``window`` also admits ops in order as room frees, overlaps
-    straight-line code. A single held op whose dependencies all run on engines that
+    straight-line code. A single op (held or not) whose dependencies all run on engines that
     :attr:`~aruntime.engine.Engine.pends` is handed over by the engine itself: on the
     native engine the core appends it to its queue from the worker thread that meets
-    the last dependency, with no trip through the event loop. Otherwise (several ops
+    the last dependency, with no trip through the event loop. It carries no wait
+    commands, so the core waits until its dependencies on other queues are done (those
+    already handed on included) and those on its own queue are handed on. Otherwise (several ops
     at once, a refusing ``window``, another kind of engine) a callback on the
     dependencies' completion hands them over: on the native engine it runs on the
     event loop that submitted them (one turn of that loop; the callback thread outside
@@ -60,15 +62,15 @@ def dispatch_when_ready(
     if not blockers and window is None:
         _dispatch(ops, mine)
         return
-    if window is None and len(ops) == 1 and ops[0][0].pends and all(_pends_with(dep) for _, _, dep in blockers):
+    if window is None and len(ops) == 1 and ops[0][0].pends:
+        # the core appends the op with no wait commands: whatever it waits for on another queue must be done
+        # first (as for a held op), also a dependency handed on already, and one on its own queue handed on
         engine, body, op = ops[0]
-        if recorder.enabled:
-            recorder.events.extend(DependencyEvent(dep.id, op.id) for _, on, dep in blockers if not on)
-        try:
-            engine.pend(body, op, [(on, dep) for _, on, dep in blockers])
-        except DeviceError as exc:  # its engine was closed meanwhile
-            op.abandon(engine, exc)
-        return
+        conds = [(False, dep) for dep in op.deps if dep.engine is not engine and not dep.done()]
+        conds += [(True, dep) for _, on, dep in blockers if on and dep.engine is engine]
+        if all(_pends_with(dep) for _, dep in conds):
+            _pend(engine, body, op, conds)
+            return
     for engine, _, op in ops:
         op.hold(engine)
     if recorder.enabled:
@@ -78,6 +80,16 @@ def dispatch_when_ready(
         (dep.when_dispatched if on_dispatch else dep.when_done)(one_ready)
     if window is not None:
         window._queue_for_room([op for _, _, op in ops], one_ready)
+
+
+def _pend(engine: Engine, body: list[Command], op: Op, conds: list[tuple[bool, Op]]) -> None:
+    """Hand ``op`` to ``engine``'s core with its conditions, each ``(on_dispatch, dependency)``."""
+    if recorder.enabled:
+        recorder.events.extend(DependencyEvent(dep.id, op.id) for on, dep in conds if not on)
+    try:
+        engine.pend(body, op, conds)
+    except DeviceError as exc:  # its engine was closed meanwhile
+        op.abandon(engine, exc)
 
 
 def _pends_with(dep: Op) -> bool:
