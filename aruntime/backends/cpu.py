@@ -310,6 +310,7 @@ class CPUDevice(BaseDevice):
     allocator_type = HostAllocator
     compiler_type = CCompiler
     copy_fn: CopyFn = staticmethod(ctypes.memmove)
+    _cpu: int | None = None
 
     def __init__(self, name: str) -> None:
         cpu = default_cpu(name)  # a bad setting is refused before any thread starts
@@ -335,7 +336,7 @@ class CPUDevice(BaseDevice):
             raise ValueError(
                 f"{self.name}: cpu must be one of the CPUs this process may use {sorted(allowed)}, not {cpu!r}"
             )
-        for engine in (self.compute, self.copy):
+        for engine in self.engines:
             engine.pin(allowed if cpu is None else (cpu,))
         self._cpu = cpu
 
