@@ -32,7 +32,7 @@ import anyio
 
 from aruntime.device import Program, transfer
 from aruntime.engine import Engine, Op, first_failure
-from aruntime.engine.ops import DEADLINE, SHARED, SKIP, new_gate
+from aruntime.engine.ops import DEADLINE, SHARED, SKIP, check_priority, new_gate
 from aruntime.errors import DeadlineExceeded, OpError, SchedulerFull, SignalTimeout
 from aruntime.helpers import after_all, checkpoint
 from aruntime.memory import Buffer
@@ -62,15 +62,21 @@ class Scheduler:
     nothing in use is freed; those in flight that have not started are skipped
     (see :meth:`request`). Entering, leaving, :meth:`room` and :meth:`drain`
     are checkpoints even when there is nothing to wait for.
+
+    ``priority`` is that of its ops (0, normal, or -1, high; see
+    :meth:`BaseDevice.queue <aruntime.device.BaseDevice.queue>`), and each op method
+    takes its own. The window admits ops in the order they come, whatever their
+    priority: latency-sensitive work goes through a scheduler of its own.
     """
 
-    def __init__(self, window: int = 1024, queue: int = 4096, drain_timeout: float = 30.0) -> None:
+    def __init__(self, window: int = 1024, queue: int = 4096, drain_timeout: float = 30.0, priority: int = 0) -> None:
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             raise ValueError(f"window must be a positive int, got {window!r}")
         if not isinstance(queue, int) or isinstance(queue, bool) or queue < 0:
             raise ValueError(f"queue must be a non-negative int, got {queue!r}")
         if not isinstance(drain_timeout, (int, float)) or isinstance(drain_timeout, bool) or not drain_timeout > 0:
             raise ValueError(f"drain_timeout must be a positive number of seconds, got {drain_timeout!r}")
+        self.priority = check_priority(priority, "Scheduler")
         self.window = window
         self.queue = queue
         self.drain_timeout = drain_timeout
@@ -316,28 +322,36 @@ class Scheduler:
 
     # ---- ops ----------------------------------------------------------------------------------------
 
-    def copyin(self, buf: Buffer, data: Any) -> Op:
-        """Enqueue a copy of host ``data`` into ``buf`` (see :meth:`BaseDevice.copyin`)."""
+    def copyin(self, buf: Buffer, data: Any, priority: int | None = None) -> Op:
+        """Enqueue a copy of host ``data`` into ``buf`` (see :meth:`BaseDevice.copyin`); ``priority``: the
+        scheduler's unless given (so for each op method)."""
         self._check_open()
-        return buf.owner.copyin(buf, data, window=self)
+        return buf.owner.copyin(buf, data, window=self, priority=self.priority if priority is None else priority)
 
-    def copyout(self, buf: Buffer, into: Any = None) -> Op:
+    def copyout(self, buf: Buffer, into: Any = None, priority: int | None = None) -> Op:
         """Enqueue a copy of ``buf`` to the host; awaiting the handle gives the data (see
         :meth:`BaseDevice.copyout`)."""
         self._check_open()
-        return buf.owner.copyout(buf, into, window=self)
+        return buf.owner.copyout(buf, into, window=self, priority=self.priority if priority is None else priority)
 
-    def transfer(self, dst: Buffer, src: Buffer) -> Op:
+    def transfer(self, dst: Buffer, src: Buffer, priority: int | None = None) -> Op:
         """Enqueue a device-to-device copy of ``src`` into ``dst`` (see :func:`aruntime.transfer`)."""
         self._check_open()
-        return transfer(dst, src, window=self)
+        return transfer(dst, src, window=self, priority=self.priority if priority is None else priority)
 
     def launch(
-        self, prog: Program, *bufs: Buffer, vals: Sequence[int | float] = (), outs: Sequence[int] | None = None
+        self,
+        prog: Program,
+        *bufs: Buffer,
+        vals: Sequence[int | float] = (),
+        outs: Sequence[int] | None = None,
+        priority: int | None = None,
     ) -> Op:
         """Enqueue a kernel on its device's compute queue (see :meth:`BaseDevice.launch`)."""
         self._check_open()
-        return prog.device.launch(prog, *bufs, vals=vals, outs=outs, window=self)
+        return prog.device.launch(
+            prog, *bufs, vals=vals, outs=outs, window=self, priority=self.priority if priority is None else priority
+        )
 
     def replay(self, graph: Graph, buffers: dict[Buffer, Buffer] | None = None, **inputs: Any) -> GraphRun:
         """Enqueue a replay of a captured :class:`~aruntime.graph.Graph` (see :meth:`Graph.replay`)."""

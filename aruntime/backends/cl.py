@@ -8,6 +8,9 @@ Queues: each device has two in-order command queues with profiling (compute and 
 commands are enqueued when it is submitted; a dependency on another CL queue (of this device or
 another) is an OpenCL event wait list, and only a wait on a non-CL signal is a host wait, done by a
 user event that the waiting queue's completion thread sets once the signal passes.
+High-priority ops (``priority=-1``) go to a compute and a copy queue of their own, created on first
+use: OpenCL queues have no priorities, so all they gain is not waiting behind the normal queues'
+commands (the driver runs the queues side by side); the host adds no ordering of its own.
 
 Completion: one thread per queue blocks in ``clWaitForEvents`` (called through ctypes on the ICD
 loader pyopencl links, so the GIL is released while it blocks) on each op's last event, in order,

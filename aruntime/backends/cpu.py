@@ -38,7 +38,7 @@ from typing import Any
 
 from aruntime.compile import Compiler, cc
 from aruntime.device import BaseDevice, Bound, Program
-from aruntime.engine import CopyFn, Entry
+from aruntime.engine import CopyFn, Engine, Entry
 from aruntime.errors import BufferUsageError, CompileError
 from aruntime.helpers import getenv
 from aruntime.memory import HostAllocator, pin
@@ -310,6 +310,7 @@ class CPUDevice(BaseDevice):
     allocator_type = HostAllocator
     compiler_type = CCompiler
     copy_fn: CopyFn = staticmethod(ctypes.memmove)
+    _cpu: int | None = None
 
     def __init__(self, name: str) -> None:
         cpu = default_cpu(name)  # a bad setting is refused before any thread starts
@@ -336,11 +337,14 @@ class CPUDevice(BaseDevice):
                 f"{self.name}: cpu must be one of the CPUs this process may use {sorted(allowed)}, not {cpu!r}"
             )
         self.check_usable("cpu")
-        self.compute.pin(allowed if cpu is None else (cpu,))
+        moved: list[Engine] = []
         try:
-            self.copy.pin(allowed if cpu is None else (cpu,))
+            for engine in self.engines:
+                engine.pin(allowed if cpu is None else (cpu,))
+                moved.append(engine)
         except BaseException:
-            self.compute.pin(allowed if self._cpu is None else (self._cpu,))  # both queues stay where they were
+            for engine in moved:  # every queue stays where it was
+                engine.pin(allowed if self._cpu is None else (self._cpu,))
             raise
         self._cpu = cpu
 

@@ -9,6 +9,10 @@ becomes ``cuStreamWaitEvent`` on that op's event; a wait on any other signal is 
 that thread) and records a blocking-sync event after them, and a completion thread, which blocks
 in ``cuEventSynchronize`` on that event (through ctypes, so without the GIL) and then completes
 the op. No Python runs on a driver thread. The one place that waits is :func:`wait_event`.
+High-priority ops (``priority=-1``) go to a compute and a copy stream of their own, created on first
+use with CUDA stream priority -1 (``cuStreamCreateWithPriority``, clamped by the driver to the
+device's range): the GPU's scheduler prefers their blocks over queued blocks of the normal streams.
+The host side adds no ordering of its own. (Not yet run on hardware.)
 
 Memory is ``cuMemAlloc`` device memory behind the LRU cache. Host copies from or to pinned memory
 (see :meth:`CUDADevice.pinned`) are one DMA; pageable memory goes through a ring of pinned
@@ -270,7 +274,7 @@ class CUDAEngine(ThreadedDriverEngine):
         super().__init__(device.name, kind, timeout)
         self.cu = device.cu
         self.context = device.allocator.context
-        self.stream = device.cu.create_stream(options=StreamOptions(nonblocking=True))
+        self.stream = device.cu.create_stream(options=StreamOptions(nonblocking=True, priority=self.priority or None))
         self._pinned = LegacyPinnedMemoryResource()
         self.staging = StagingPool(STAGING, CHUNK, self._alloc_pinned, self._record, self._sync)
         self._epoch = self.stream.record(options=_TIMED)  # the zero of this engine's clock

@@ -299,7 +299,7 @@ class SimDevice(CPUDevice):
     @model.setter
     def model(self, model: SimModel) -> None:
         self._model = self._checked(self.name, model)
-        for engine in (self.compute, self.copy):
+        for engine in self.engines:
             assert isinstance(engine, _SimEngine)
             engine.model = self._model
 

@@ -10,6 +10,7 @@ Closing, settling and the profile hook live in :mod:`~aruntime.device.closing`,
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -34,7 +35,7 @@ from aruntime.engine import (
     dispatch_when_ready,
     make_engine,
 )
-from aruntime.engine.ops import SHARED, SKIP
+from aruntime.engine.ops import SHARED, SKIP, check_priority
 from aruntime.errors import BufferUsageError, DeviceError
 from aruntime.helpers import checkpoint, getenv, is_index
 from aruntime.memory import Allocator, Buffer, BufferScope, BufferSpec, pin, typed
@@ -67,6 +68,8 @@ class BaseDevice(Closing, ProfileHooks):
     holds_ops: ClassVar[bool] = True
     """Whether an op submitted with ``hold`` is kept off its queue while it waits for another queue (a remote
     device's ops wait on its host instead)."""
+    has_priorities: ClassVar[bool] = True
+    """Whether its op methods take ``priority=-1`` (high-priority queues; a remote device's do not)."""
     copy_fn: CopyFn
     """``copy_fn(dst, src, nbytes)`` copies between two of this device's handles (or host addresses)."""
 
@@ -81,6 +84,10 @@ class BaseDevice(Closing, ProfileHooks):
         """Copies up to this many bytes that depend on a running kernel go on the compute queue (0: never)."""
         self.compute = self._make_engine("compute", timeout)
         self.copy = self._make_engine("copy", timeout)
+        self.engines: tuple[Engine, ...] = (self.compute, self.copy)
+        """Every queue of the device: compute, copy, then the high-priority ones opened so far (see
+        :meth:`queue`)."""
+        self._high_lock = threading.Lock()
 
     @classmethod
     def check_name(cls, name: str) -> None:
@@ -94,7 +101,50 @@ class BaseDevice(Closing, ProfileHooks):
             )
 
     def _make_engine(self, kind: str, timeout: float) -> Engine:
+        """A new engine for the ``kind`` queue: ``compute``, ``copy``, or either with ``_high`` (a high-priority
+        queue; its :attr:`Engine.priority` says so)."""
         return make_engine(self.name, kind, timeout, chunk=getenv("COPY_CHUNK", 8 << 20, minimum=1))
+
+    def queue(self, kind: str, priority: int = 0) -> Engine:
+        """The engine that runs this device's ``kind`` ops (``"compute"`` or ``"copy"``) of ``priority``.
+
+        Priority 0 is :attr:`compute` or :attr:`copy`. Priority -1 (high) is a queue of its own, opened on first
+        use: before the normal queue of its kind takes its next op, it lets the high one run what it can, so
+        high-priority ops overtake queued normal ones at the next op boundary (a running op is never
+        interrupted). Ops that touch the same memory stay ordered whatever their priority: the hazard between
+        them is a dependency across queues. Another priority is a ``ValueError``; -1 on a device that has no
+        such queues (:attr:`has_priorities`), or on one that is no longer open, a :class:`DeviceError`.
+        """
+        if type(priority) is int and priority == 0:  # the default path: nothing more to check
+            if kind == "compute":
+                return self.compute
+            if kind == "copy":
+                return self.copy
+        if kind not in ("compute", "copy"):
+            raise ValueError(f"{self.name}: queue kind must be 'compute' or 'copy', got {kind!r}")
+        check_priority(priority, f"{kind} queue of {self.name}")
+        return self._high_queue(kind) or self._open_high(kind)
+
+    def _high_queue(self, kind: str) -> Engine | None:
+        """The high-priority ``kind`` queue if it is open, else None."""
+        for engine in self.engines[2:]:
+            if engine.kind == f"{kind}_high":
+                return engine
+        return None
+
+    def _open_high(self, kind: str) -> Engine:
+        """Open the high-priority ``kind`` queue (see :meth:`queue`)."""
+        if not self.has_priorities:
+            raise DeviceError(f"{self.name}: a {self.kind} device has no high-priority queues; use priority 0")
+        with self._high_lock:
+            opened = self._high_queue(kind)  # by another thread meanwhile
+            if opened is not None:
+                return opened
+            self.check_usable(f"open the high-priority {kind} queue")
+            high = self._make_engine(f"{kind}_high", self.timeout)
+            (self.compute if kind == "compute" else self.copy).yield_to(high)
+            self.engines = (*self.engines, high)
+        return high
 
     @property
     def timeout(self) -> float:
@@ -105,7 +155,8 @@ class BaseDevice(Closing, ProfileHooks):
     def timeout(self, seconds: float) -> None:
         if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not seconds > 0:
             raise ValueError(f"{self.name}: timeout must be a positive number of seconds, got {seconds!r}")
-        self.compute.signal.timeout = self.copy.signal.timeout = float(seconds)
+        for engine in self.engines:
+            engine.signal.timeout = float(seconds)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} ({self.engine_kind} engine)>"
@@ -168,11 +219,12 @@ class BaseDevice(Closing, ProfileHooks):
         return self.allocator.memory_stats()
 
     def metrics(self) -> dict[str, dict[str, Any]]:
-        """Live metrics of this device's queues, ``{"compute": {...}, "copy": {...}}``, kept without a profile
+        """Live metrics of this device's queues, ``{"compute": {...}, "copy": {...}}`` (and ``"compute_high"``,
+        ``"copy_high"`` once those queues are open, see :meth:`queue`), kept without a profile
         (see :meth:`Engine.metrics <aruntime.engine.Engine.metrics>`): ops submitted, queued, running, done and
         skipped, the share of time each queue was busy since the previous call, and percentiles of how long ops
         waited in the queue and ran. Plain data (ints, floats, None), ready for JSON or a metrics exporter."""
-        return {"compute": self.compute.metrics(), "copy": self.copy.metrics()}
+        return {engine.kind: engine.metrics() for engine in self.engines}
 
     def flush_cache(self) -> None:
         """Really free the memory this device's allocator keeps cached for reuse (large host buffers go back to
@@ -250,16 +302,21 @@ class BaseDevice(Closing, ProfileHooks):
         dispatch_when_ready([(engine, body, op)], held, None if admitted else window)
         return op
 
-    def _copy_engine(self, buf: Buffer, write: bool) -> Engine:
-        """The copy queue, except for a small copy that must wait for a kernel anyway: it runs on the
-        compute queue right after that kernel, which saves a cross-queue hand-off per op."""
-        if buf.nbytes <= self.inline_copy_max and buf.log.conflicts_on(
-            self.compute, buf.offset, buf.offset + buf.nbytes, write
+    def _copy_engine(self, buf: Buffer, write: bool, priority: int) -> Engine:
+        """The copy queue of ``priority``, except for a small copy that must wait for a kernel anyway: it runs
+        on the compute queue of that priority right after that kernel, which saves a cross-queue hand-off per
+        op."""
+        copy = self.queue("copy", priority)
+        compute = self.compute if copy is self.copy else self._high_queue("compute")
+        if (
+            compute is not None
+            and buf.nbytes <= self.inline_copy_max
+            and buf.log.conflicts_on(compute, buf.offset, buf.offset + buf.nbytes, write)
         ):
-            return self.compute
-        return self.copy
+            return compute
+        return copy
 
-    def copyin(self, buf: Buffer, data: Any, hold: bool = False, window: Window | None = None) -> Op:
+    def copyin(self, buf: Buffer, data: Any, hold: bool = False, window: Window | None = None, priority: int = 0) -> Op:
         """Copy ``data`` (any C-contiguous buffer-protocol object of ``buf.nbytes`` bytes: bytes, array,
         a numpy array...) into ``buf``; ``await`` the op for the copy to be done.
 
@@ -269,6 +326,8 @@ class BaseDevice(Closing, ProfileHooks):
         for another queue is kept off its queue until then, so later independent
         ops go first (see :func:`dispatch_when_ready`). ``window``: the
         :class:`~aruntime.scheduler.Scheduler` the op goes through (it is held).
+        ``priority``: 0 (normal) or -1 (high: it overtakes queued normal ops, see
+        :meth:`queue`).
         """
         handle = self._check(buf, "copyin")
         holder, address, nbytes = pin(data)
@@ -276,17 +335,19 @@ class BaseDevice(Closing, ProfileHooks):
             raise BufferUsageError(f"copyin: source has {nbytes} bytes, {buf!r} has {buf.nbytes}")
         name = f"copyin {nbytes} B"
         body: list[Command] = [(COPY, name, self.copy_fn, handle, address, nbytes)]
-        engine = self._copy_engine(buf, True)
+        engine = self._copy_engine(buf, True, priority)
         return self._submit(engine, name, body, (), (buf,), (holder, buf), None, hold, window)
 
-    def copyout(self, buf: Buffer, into: Any = None, hold: bool = False, window: Window | None = None) -> Op:
+    def copyout(
+        self, buf: Buffer, into: Any = None, hold: bool = False, window: Window | None = None, priority: int = 0
+    ) -> Op:
         """Copy ``buf`` to the host; ``await`` the op for the data.
 
         The result is ``into`` (a writable, C-contiguous buffer-protocol object of
         ``buf.nbytes`` bytes, such as a numpy array), or else a new memoryview cast
         to the buffer's dtype (``tolist()``, indexing and ``numpy.asarray`` read it
         as numbers; a byte view for a dtype :mod:`memoryview` cannot cast to, such
-        as float16 or bfloat16). ``hold``, ``window``: see :meth:`copyin`.
+        as float16 or bfloat16). ``hold``, ``window``, ``priority``: see :meth:`copyin`.
         """
         handle = self._check(buf, "copyout")
         dest = typed(zeroed(buf.nbytes), buf.dtype) if into is None else into
@@ -298,10 +359,10 @@ class BaseDevice(Closing, ProfileHooks):
             raise BufferUsageError(f"copyout: destination has {nbytes} bytes, {buf!r} has {buf.nbytes}")
         name = f"copyout {nbytes} B"
         body: list[Command] = [(COPY, name, self.copy_fn, address, handle, nbytes)]
-        engine = self._copy_engine(buf, False)
+        engine = self._copy_engine(buf, False, priority)
         return self._submit(engine, name, body, (buf,), (), (holder, buf), dest, hold, window)
 
-    def _transfer(self, dst: Buffer, src: Buffer, hold: bool, window: Window | None) -> Op:
+    def _transfer(self, dst: Buffer, src: Buffer, hold: bool, window: Window | None, priority: int = 0) -> Op:
         """:func:`transfer` on this device's copy engine (the device :func:`transfer_device` picked)."""
         src_dev, dst_dev = src.owner, dst.owner
         src_handle = src_dev._check(src, "transfer")
@@ -310,7 +371,7 @@ class BaseDevice(Closing, ProfileHooks):
             raise BufferUsageError(f"transfer: {src!r} has {src.nbytes} bytes, {dst!r} has {dst.nbytes}")
         name = f"transfer {src.nbytes} B {src_dev.name}->{dst_dev.name}"
         body: list[Command] = [(COPY, name, self.copy_fn, dst_handle, src_handle, src.nbytes)]
-        return self._submit(self.copy, name, body, (src,), (dst,), (src, dst), None, hold, window)
+        return self._submit(self.queue("copy", priority), name, body, (src,), (dst,), (src, dst), None, hold, window)
 
     async def compile(self, src: str, name: str = "kernel", outs: Sequence[int] | None = None) -> Program:
         """Compile ``src`` off the event loop (through the compile cache) and load kernel ``name``.
@@ -368,17 +429,19 @@ class BaseDevice(Closing, ProfileHooks):
         outs: Sequence[int] | None = None,
         hold: bool = False,
         window: Window | None = None,
+        priority: int = 0,
     ) -> Op:
         """Run ``prog`` on ``bufs`` and the scalar ``vals`` on the compute engine; ``await`` the op for the
         kernel to be done.
 
         ``outs`` (default: the program's, else all) are the indices of the buffers it writes;
-        the others are only read. ``hold``, ``window``: see :meth:`copyin`.
+        the others are only read. ``hold``, ``window``, ``priority``: see :meth:`copyin`.
         """
+        engine = self.queue("compute", priority)
         reads, writes = self._launch_access(prog, bufs, outs)
         check_scalars(f"launch {prog.name}", vals)
         body = [self._launch_command(prog, bufs, vals, writes)]  # the op holds the buffers until it is done
-        return self._submit(self.compute, prog.name, body, reads, writes, bufs, None, hold, window)
+        return self._submit(engine, prog.name, body, reads, writes, bufs, None, hold, window)
 
     def _launch_command(
         self, prog: Program, bufs: Sequence[Buffer], vals: Sequence[int | float], writes: Sequence[Buffer]

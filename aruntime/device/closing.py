@@ -41,7 +41,7 @@ class Closing(Settling):
 
     def _begin_close(self) -> bool:
         """Move open -> closing; False if already closed. Refused from this device's own engine threads."""
-        for engine in (self.compute, self.copy):
+        for engine in self.engines:
             if getattr(engine, "_thread", None) is threading.current_thread():
                 raise DeviceError(
                     f"close {self.name}: called on its own {engine.signal.name} thread (from a kernel or an "
@@ -61,8 +61,8 @@ class Closing(Settling):
         if not settled:
             self.state = "open"
             return
-        self.compute.close()
-        self.copy.close()
+        for engine in self.engines:
+            engine.close()
         self.flush_cache()
         self.state = "closed"
         if self._on_closed is not None:

@@ -6,21 +6,20 @@ from aruntime.engine import Engine, first_failure
 
 
 class Settling:
-    """What :class:`~aruntime.device.base.BaseDevice` waits with: its two engines' work in flight, held ops
+    """What :class:`~aruntime.device.base.BaseDevice` waits with: its engines' work in flight, held ops
     included."""
 
     name: str
-    compute: Engine
-    copy: Engine
+    engines: tuple[Engine, ...]
 
     def _raise_failures(self) -> None:
-        failed = self.compute.take_failures() + self.copy.take_failures()
+        failed = [op for engine in self.engines for op in engine.take_failures()]
         if failed:
             raise first_failure(failed, f"on {self.name} failed unobserved")
 
     async def settle(self) -> None:
         """Wait for all work submitted so far (held ops included) to finish; raises nothing."""
-        for engine in (self.compute, self.copy):
+        for engine in self.engines:
             while engine.held:  # held ops may hold up others that get held meanwhile: until none is left
                 for op in tuple(engine.held):
                     await op.settled()
@@ -28,7 +27,7 @@ class Settling:
 
     def settle_blocking(self, timeout: float | None = None) -> None:
         """:meth:`settle` for threads outside any event loop; each wait gives up after ``timeout`` seconds."""
-        for engine in (self.compute, self.copy):
+        for engine in self.engines:
             while engine.held:
                 for op in tuple(engine.held):
                     op.wait_done(timeout)

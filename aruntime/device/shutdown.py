@@ -15,7 +15,7 @@ def _unfinished(dev: BaseDevice) -> str:
     """What is still in flight on ``dev``'s queues, for a message (empty if nothing is): per queue, how many ops
     were submitted and not done and how many are held, and the names of the first ones its engine can name."""
     parts = []
-    for engine in (dev.compute, dev.copy):
+    for engine in dev.engines:
         running = max(0, engine.last - engine.signal.value)
         held = sorted(op.name for op in tuple(engine.held))
         if running or held:
@@ -72,7 +72,7 @@ def finish_at_exit() -> None:
                 RuntimeWarning,
                 stacklevel=1,
             )
-        failed = dev.compute.take_failures() + dev.copy.take_failures()
+        failed = [op for engine in dev.engines for op in engine.take_failures()]
         if failed:
             error = first_failure(failed, "failed on it")
             warnings.warn(

@@ -30,13 +30,13 @@ def transfer_device(src: BaseDevice, dst: BaseDevice) -> BaseDevice:
     )
 
 
-def transfer(dst: Buffer, src: Buffer, hold: bool = False, window: Window | None = None) -> Op:
+def transfer(dst: Buffer, src: Buffer, hold: bool = False, window: Window | None = None, priority: int = 0) -> Op:
     """Copy ``src`` into ``dst``, a buffer of another device (or the same), on the copy queue of the device
     :func:`transfer_device` picks (the source's, between host-memory devices); ``await`` the op for the copy to
     be done.
 
     Both must be allocated and of the same size; the destination device's later
-    work on ``dst`` waits for it. ``hold``, ``window``: see :meth:`BaseDevice.copyin`.
+    work on ``dst`` waits for it. ``hold``, ``window``, ``priority``: see :meth:`BaseDevice.copyin`.
     """
     if not isinstance(src, Buffer):
         raise BufferUsageError(f"transfer: expected a Buffer source, got {type(src).__name__}")
@@ -45,5 +45,5 @@ def transfer(dst: Buffer, src: Buffer, hold: bool = False, window: Window | None
     src_dev, dst_dev = src.owner, dst.owner
     for dev in (dst_dev, src_dev):
         if dev.routes_transfers:
-            return dev._transfer(dst, src, hold, window)
-    return transfer_device(src_dev, dst_dev)._transfer(dst, src, hold, window)
+            return dev._transfer(dst, src, hold, window, priority)
+    return transfer_device(src_dev, dst_dev)._transfer(dst, src, hold, window, priority)

@@ -45,6 +45,19 @@ skip it if not started by this ``time.monotonic_ns()`` (0: no deadline), and whe
 reads what its ops write (then they are never skipped)."""
 
 
+HIGH = -1
+"""The high priority of a device's queues (see :func:`check_priority`); 0 is the normal one."""
+
+
+def check_priority(priority: object, what: str) -> int:
+    """``priority`` if it is a priority a device's queues take: 0 (normal, the default) or :data:`HIGH` (-1: its
+    ops overtake queued normal ones, as a CUDA stream of lower priority number does); else a ``ValueError``
+    naming ``what`` and the value."""
+    if isinstance(priority, bool) or not isinstance(priority, int) or priority not in (0, HIGH):
+        raise ValueError(f"{what}: priority must be 0 (normal) or -1 (high), got {priority!r}")
+    return priority
+
+
 def new_gate(deadline_ns: int = 0) -> array[int]:
     """A gate for the ops of one request (see :data:`SKIP`)."""
     return array("q", [0, deadline_ns, 0])
@@ -395,7 +408,10 @@ class Engine:
         self.keeps_metrics: bool = getenv("METRICS", 1, minimum=0, maximum=1) == 1  # a bad value: nothing made yet
         """Whether the engine times its ops for :meth:`metrics` (``ARUNTIME_METRICS=0``: counts only)."""
         self.kind = kind
-        self.is_copy = kind == "copy"
+        """``compute`` or ``copy``, with ``_high`` for a device's high-priority queue of that kind."""
+        self.is_copy = kind.startswith("copy")
+        self.priority = HIGH if kind.endswith("_high") else 0
+        """0, or :data:`HIGH` for a high-priority queue (see :meth:`yield_to`)."""
         self.signal = TimelineSignal(f"{device} {kind} queue", timeout)
         self.ranges = recorder.add_log(self._range_log())
         self.held: set[Op] = set()  # ops bound for this engine, not yet handed to it
@@ -433,6 +449,13 @@ class Engine:
         """Hand ``op`` to the engine once its ``blockers`` allow, each ``(on_dispatch, dependency)``: once the
         dependency has been handed to this engine, or else once it is done; only engines that :attr:`pends`."""
         raise NotImplementedError(f"{self.signal.name} cannot take pending ops")
+
+    def yield_to(self, high: Engine) -> None:
+        """From now on, before taking its next op, let ``high`` (the high-priority queue of this queue's kind on
+        the same device) run first while it has work it can run: ops on its queue not taken yet while it is not
+        blocked in a wait for another queue (an op that waits for this queue must not stall it). An op running
+        is never interrupted. An engine whose hardware orders its queues by priority itself (a CUDA stream
+        priority), or that cannot (a CL queue), keeps this default: nothing."""
 
     def pin(self, cpus: Collection[int]) -> None:
         """Run this engine's commands on ``cpus`` only (Linux; ``os.sched_getaffinity(0)`` of the process

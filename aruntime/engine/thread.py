@@ -6,11 +6,14 @@ import os
 import threading
 from collections import deque
 from collections.abc import Sequence
-from time import monotonic_ns, perf_counter_ns
+from time import monotonic_ns, perf_counter_ns, sleep
 
 from aruntime.engine.metrics import HIST, bucket
 from aruntime.engine.ops import EXEC, SIGNAL, WAIT, Command, Engine, Op, check_deps, gate_error, run_copy
 from aruntime.events import now_us, recorder
+
+YIELD_S = 50e-6
+"""How long a worker that lets its high-priority sibling go first sleeps before it looks again."""
 
 
 class ThreadEngine(Engine):
@@ -19,7 +22,8 @@ class ThreadEngine(Engine):
     ``chunk`` bounds the bytes of one copy call, so a big copy is a series of
     short calls (each releases the GIL) rather than one long one. The worker
     sleeps on a pipe when it has nothing to do; a submission writes the pipe
-    only then.
+    only then. A worker that :meth:`yield_to` a high-priority engine sleeps
+    in short steps while that one has work it can run.
     """
 
     reads_gates = True
@@ -35,6 +39,8 @@ class ThreadEngine(Engine):
         self._queued_hist = [0] * HIST
         self._run_hist = [0] * HIST
         self._idle = False  # the worker is (about to be) asleep on the pipe and must be woken
+        self._waiting = False  # the worker is blocked in a wait for another queue
+        self._high: ThreadEngine | None = None  # the engine this one lets go first (see yield_to)
         self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(target=self._run, name=self.signal.name, daemon=True)
         self._thread.start()
@@ -53,6 +59,11 @@ class ThreadEngine(Engine):
         running = max(monotonic_ns() - taken, 0) if taken else 0
         return self._started, self._busy + running, list(self._queued_hist), list(self._run_hist)
 
+    def yield_to(self, high: Engine) -> None:
+        """Let ``high`` go first (see :meth:`Engine.yield_to`): checked in :meth:`_next`."""
+        assert isinstance(high, ThreadEngine)
+        self._high = high
+
     def close(self) -> None:
         """Stop accepting work; wait until what was submitted has run (unless called from this engine's thread)."""
         super().close()
@@ -66,6 +77,10 @@ class ThreadEngine(Engine):
         return [op for op in self._ops if op is not None]
 
     def _next(self) -> Op | None:
+        high = self._high
+        if high is not None:
+            while high._ops and not high._waiting and not high.closed:  # it has work it can run: it goes first
+                sleep(YIELD_S)
         ops = self._ops
         while not ops:
             self._idle = True
@@ -121,7 +136,11 @@ class ThreadEngine(Engine):
                 kind = cmd[0]
                 if kind < EXEC:
                     if kind == WAIT:
-                        cmd[1].wait(cmd[2])
+                        self._waiting = True
+                        try:
+                            cmd[1].wait(cmd[2])
+                        finally:
+                            self._waiting = False
                         checked = not op.inputs  # a producer on the queue waited for may have failed: check again
                     elif kind == SIGNAL:
                         cmd[1].set(cmd[2])

@@ -256,6 +256,7 @@ class RemoteDevice(BaseDevice):
     allocator: RemoteAllocator
     copy_fn = staticmethod(_no_copy)
     holds_ops = False  # an op waiting for another queue waits on the remote host, not in the driver
+    has_priorities = False  # the remote host runs a device's calls in one order
 
     @classmethod
     def check_name(cls, name: str) -> None:
@@ -484,7 +485,7 @@ class RemoteDevice(BaseDevice):
         written = tuple(i for i, buf in enumerate(bufs) if any(buf is w for w in writes))
         return (EXEC, prog.name, _LAUNCH, (prog.pid, tuple(b._handle for b in bufs), tuple(vals), written))
 
-    def _transfer(self, dst: Buffer, src: Buffer, hold: bool, window: Window | None) -> Op:
+    def _transfer(self, dst: Buffer, src: Buffer, hold: bool, window: Window | None, priority: int = 0) -> Op:
         """Copy ``src`` to ``dst`` where either is on this device and the other on any device.
 
         Between two RAY devices the bytes go host to host through Ray's object
@@ -502,7 +503,7 @@ class RemoteDevice(BaseDevice):
         if dst.nbytes != src.nbytes:
             raise BufferUsageError(f"transfer: {src!r} has {src.nbytes} bytes, {dst!r} has {dst.nbytes}")
         name = f"transfer {src.nbytes} B {src_dev.name}->{dst_dev.name}"
-        engine = src_dev.copy if isinstance(src_dev, RemoteDevice) else self.copy
+        engine = (src_dev if isinstance(src_dev, RemoteDevice) else self).queue("copy", priority)
         writers: tuple[Op, ...] = ()  # a local source is read in the driver: after the ops writing it now
         if not isinstance(src_dev, RemoteDevice):
             start, end = src.offset, src.offset + src.nbytes

@@ -26,7 +26,7 @@ from aruntime.errors import CacheError, DeviceError
 from aruntime.helpers import getenv
 
 FLAGS = ("-O2", "-pthread", "-fPIC", "-shared")
-VERSION = 2
+VERSION = 3
 """The core's ABI version (``ar_version()``); a mismatch means a stale build."""
 
 unavailable: str | None = None
@@ -112,6 +112,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("ar_engine_free", None, [p]),
         ("ar_engine_field", c_size_t, [c_int]),
         ("ar_engine_metrics", None, [p, c_int]),
+        ("ar_engine_yield_to", None, [p, p]),
         ("ar_now_ns", i64, []),
         ("ar_completion_new", p, [p, u64]),
     )

@@ -16,6 +16,12 @@
  * Python thread of the engine's own (ar_py_next / ar_py_done) while the worker waits: the worker never
  * runs Python and never needs the GIL.
  *
+ * Priorities. A normal engine may name a high-priority sibling (ar_engine_yield_to): at each op boundary, before
+ * it takes its next op, its worker sleeps (on the sibling's timeline, a short while at a time) as long as the
+ * sibling has records not yet taken and is not blocked in a wait for another queue (that wait may be for this
+ * very engine). An op that runs is never interrupted, and an op the sibling runs with nothing queued behind it
+ * runs alongside this engine's next one, each on a core of its own where there are spare ones.
+ *
  * Pending ops. An op that must wait for ops of other queues is handed to the core with what it waits for
  * (signal values, or other pending ops); the thread that meets the last of them appends it to its queue's
  * ring (see "pending ops" below), so no Python and no event loop run between a producer's end and its
@@ -34,10 +40,11 @@
 #include <time.h>
 #include <unistd.h>
 
-#define AR_VERSION 2
+#define AR_VERSION 3
 #define MAXN 64       /* notifiers (event loops waiting at once) */
 #define CHUNK 256     /* command records per queue chunk */
 #define NEVER UINT64_MAX
+#define YIELD_NS 50000 /* how long a worker letting its high-priority sibling go first sleeps before it looks again */
 #define ABANDONED (1ull << 63) /* the value a pending op gets when its engine had stopped */
 #define TAG (1ull << 63)       /* in a K_CHECK pair's value: the value is read from the cell at this address */
 
@@ -365,7 +372,9 @@ typedef struct ar_engine {
   /* consumer */
   chunk *head;
   unsigned head_pos;
-  uint64_t consumed;
+  _Atomic uint64_t consumed; /* written by the worker only; read by a normal engine yielding to this one */
+  _Atomic int waiting;       /* the worker is blocked in a wait command */
+  struct ar_engine *_Atomic high; /* the high-priority engine this one lets go first (NULL: none) */
   pthread_mutex_t lock;
   pthread_cond_t cond;
   _Atomic int sleeping;
@@ -459,17 +468,30 @@ size_t ar_take_ranges(ar_engine *e, uint64_t *out, size_t max) {
   return n;
 }
 
+/* Whether the high-priority engine h has work it can run: records not yet taken, and no wait blocking it. */
+static int has_runnable(ar_engine *h) {
+  return atomic_load(&h->published) != atomic_load(&h->consumed) && !atomic_load(&h->waiting);
+}
+
+/* At an op boundary: let the high-priority sibling (if any) run what it can first. */
+static void yield_to_high(ar_engine *e) {
+  ar_engine *h = atomic_load_explicit(&e->high, memory_order_acquire);
+  if (!h) return;
+  while (has_runnable(h)) ar_sig_wait(h->timeline, atomic_load(&h->timeline->value) + 1, YIELD_NS);
+}
+
 static ar_cmd *next_cmd(ar_engine *e) {
-  if (atomic_load_explicit(&e->published, memory_order_acquire) == e->consumed) {
+  uint64_t consumed = atomic_load_explicit(&e->consumed, memory_order_relaxed);
+  if (atomic_load_explicit(&e->published, memory_order_acquire) == consumed) {
     int64_t until = now_ns() + e->spin_ns;
-    while (atomic_load_explicit(&e->published, memory_order_acquire) == e->consumed) {
+    while (atomic_load_explicit(&e->published, memory_order_acquire) == consumed) {
       if (now_ns() < until) { /* poll a while (a wake-up costs more), giving the CPU to any thread that wants it */
         sched_yield();
         continue;
       }
       pthread_mutex_lock(&e->lock);
       atomic_store(&e->sleeping, 1);
-      while (atomic_load(&e->published) == e->consumed) pthread_cond_wait(&e->cond, &e->lock);
+      while (atomic_load(&e->published) == consumed) pthread_cond_wait(&e->cond, &e->lock);
       atomic_store(&e->sleeping, 0);
       pthread_mutex_unlock(&e->lock);
     }
@@ -505,11 +527,15 @@ static void *worker(void *arg) {
   uint64_t skipping = 0; /* the value of an op whose rest is skipped after a failure */
   uint64_t current = 0;  /* the value of the op being run */
   int64_t taken = 0;     /* when the worker took it */
+  int boundary = 1;      /* the next record starts an op */
   for (;;) {
+    if (boundary) yield_to_high(e);
     ar_cmd *c = next_cmd(e);
     ar_cmd cmd = *c; /* the slot may be freed with its chunk once consumed */
     e->head_pos++;
-    e->consumed++;
+    atomic_store_explicit(&e->consumed, atomic_load_explicit(&e->consumed, memory_order_relaxed) + 1,
+                          memory_order_release);
+    boundary = (cmd.flags & F_END) != 0;
     if (cmd.kind == K_STOP) break;
     if (cmd.value != current) {
       current = cmd.value;
@@ -541,9 +567,14 @@ static void *worker(void *arg) {
       switch (cmd.kind) {
         case K_WAIT: {
           ar_sig *s = (ar_sig *)(uintptr_t)cmd.a;
-          if (atomic_load(&s->value) < cmd.b && ar_sig_wait(s, cmd.b, (int64_t)cmd.c)) {
-            log_failure(e, &cmd, E_TIMEOUT, (int64_t)atomic_load(&s->value));
-            skipping = cmd.value;
+          if (atomic_load(&s->value) < cmd.b) {
+            atomic_store(&e->waiting, 1);
+            int timed_out = ar_sig_wait(s, cmd.b, (int64_t)cmd.c);
+            atomic_store(&e->waiting, 0);
+            if (timed_out) {
+              log_failure(e, &cmd, E_TIMEOUT, (int64_t)atomic_load(&s->value));
+              skipping = cmd.value;
+            }
           }
           break;
         }
@@ -990,6 +1021,9 @@ void ar_engine_free(ar_engine *e) {
   pthread_cond_destroy(&e->py_cond);
   free(e);
 }
+
+/* Let the high-priority engine h go first at e's op boundaries (see "Priorities" above); h must outlive e. */
+void ar_engine_yield_to(ar_engine *e, ar_engine *h) { atomic_store_explicit(&e->high, h, memory_order_release); }
 
 /* Keep (1) or skip (0) the clock-based metrics: call before the first submission. */
 void ar_engine_metrics(ar_engine *e, int on) { e->metrics = on; }

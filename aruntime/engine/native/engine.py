@@ -192,6 +192,7 @@ class NativeEngine(Engine):
         self._thread: threading.Thread | None = None
         self._retire_lock = threading.Lock()
         self._joined = False
+        self._high: NativeEngine | None = None  # the engine this one lets go first: kept alive as long as this one
         self.signal.retire = self.retire
 
     def __del__(self) -> None:
@@ -340,6 +341,12 @@ class NativeEngine(Engine):
             else:
                 pairs.extend((engine.address, dep.value))
         return pairs if pairs else None
+
+    def yield_to(self, high: Engine) -> None:
+        """Let ``high`` go first (see :meth:`Engine.yield_to`): the worker checks it at each op boundary."""
+        assert isinstance(high, NativeEngine)
+        self._high = high  # its native memory is freed only after this engine's
+        self._lib.ar_engine_yield_to(self.address, high.address)
 
     def _stop(self) -> None:
         self._submit(self._handle, _RECORD.pack(K_STOP, 0, 0, 0, 0, 0, 0, 0, 0, 0), 1)
