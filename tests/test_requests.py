@@ -135,13 +135,13 @@ async def test_bad_requests_are_refused() -> None:
             pass
 
 
-async def test_cancelling_requests_at_random_points_leaves_memory_at_its_baseline() -> None:
+@pytest.mark.parametrize("requests", [2_000, pytest.param(10_000, marks=pytest.mark.slow)])
+async def test_cancelling_requests_at_random_points_leaves_memory_at_its_baseline(requests: int) -> None:
     """Many concurrent requests, each cancelled at a random point (before, during or after its ops): every
     awaiter wakes, nothing is left in flight, and the allocator's bytes in use return to where they were."""
     dev = Device["CPU:35"]
     add = await dev.compile(ADD_ONE)
-    rng = random.Random(7)
-    requests = 2_000
+    rng = random.Random(requests)
     baseline = dev.allocator.in_use
     finished = 0
 
@@ -160,7 +160,7 @@ async def test_cancelling_requests_at_random_points_leaves_memory_at_its_baselin
                         await op
         finished += 1
 
-    with anyio.fail_after(120):
+    with anyio.fail_after(requests / 10):
         async with Scheduler(window=256) as sched, anyio.create_task_group() as tg:
             for _ in range(requests):
                 tg.start_soon(one, sched, rng.randrange(5))
