@@ -14,7 +14,7 @@ import pytest
 from tests.bench_rows import quick_rows
 
 ROOT = Path(__file__).resolve().parent.parent
-ENGINE_BENCHMARKS = ("roundtrip", "null_ops", "copies", "compile_warm", "compile_parallel")
+ENGINE_BENCHMARKS = ("roundtrip", "null_ops", "launch_cost", "copies", "compile_warm", "compile_parallel")
 
 
 @pytest.mark.parametrize("name", ENGINE_BENCHMARKS)
