@@ -562,6 +562,20 @@ ROWS: list[Row] = [
     ),
     Row("sched.copyin", "outside `async with`", RuntimeError, "the scheduler is not open", _scheduler_outside),
     Row(
+        "sched.request",
+        "`deadline=inf`",
+        ValueError,
+        "deadline must be a positive, finite number of seconds, got inf",
+        lambda c: Scheduler().request(deadline=float("inf")),
+    ),
+    Row(
+        "dev.copyin",
+        "`priority=5`",
+        ValueError,
+        "priority must be 0 (normal) or -1 (high), got 5",
+        lambda c: c.cpu.copyin(c.buf, bytes(c.buf.nbytes), priority=5),
+    ),
+    Row(
         "graph.launch",
         "`None` as the program",
         DeviceError,
