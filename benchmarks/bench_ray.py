@@ -6,6 +6,9 @@
 * ``ray_pipeline``: a two-stage pipeline (kernel, transfer, kernel) over two RAY devices against the same
   pipeline over one (goal >= 1.6x faster), and against the same two-device pipeline on local CPU devices
   (the row's ``local_two_vs_one_speedup`` is what two local devices gain over one in the same run).
+* ``ray_pipeline_sim_nodes``: the same pipeline over SIM devices on two nodes (``RAY:n1/SIM:1`` then
+  ``RAY:n2/SIM:1``) against it over one SIM device (``RAY:n1/SIM:1``): modelled kernels of
+  :data:`SIM_KERNEL_S`, no CPU contention (goal >= 1.8x faster).
 * ``ray_transfer``: bytes/s of a transfer between two RAY devices against a bare ``ray.put`` in one actor and
   ``ray.get`` (into memory it owns) in another, of the same size (goal >= 0.8), all on one node.
 * ``ray_transfer_nodes``: the same from a RAY device on node ``n1`` to one on node ``n2`` (each with its own
@@ -48,6 +51,10 @@ EMPTY = "void kernel(void) {}"
 
 STORE = 256 << 20
 """Each node's object store, bytes."""
+SIM_KERNEL_S = 5e-3
+"""The modelled seconds of a kernel on the cluster's SIM devices (``ARUNTIME_SIM_KERNEL`` of its nodes)."""
+SIM_SLOTS = 8
+"""Items in flight in the SIM pipeline: enough to cover a transfer's trip between nodes."""
 
 
 def _cluster() -> Any:
@@ -61,6 +68,7 @@ def _cluster() -> Any:
         return ray
     root = str(Path(aruntime.__file__).resolve().parents[1])
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    os.environ["ARUNTIME_SIM_KERNEL"] = repr(SIM_KERNEL_S)  # the nodes' SIM devices (none opens here)
     head = {"num_cpus": 2, "node_name": "head", "object_store_memory": STORE, "include_dashboard": False}
     cluster = Cluster(initialize_head=True, head_node_args=head)
     for name in ("n1", "n2"):
@@ -157,11 +165,16 @@ async def ray_launch_overhead() -> list[Result]:
 
 
 async def _pipeline(
-    stage1: tuple[BaseDevice, Program], stage2: tuple[BaseDevice, Program], items: int, n: int, work: int
+    stage1: tuple[BaseDevice, Program],
+    stage2: tuple[BaseDevice, Program],
+    items: int,
+    n: int,
+    work: int,
+    slots: int = 3,
 ) -> Callable[[], Awaitable[None]]:
-    """A run of the pipeline: copy-in, kernel on stage 1, transfer, kernel on stage 2, copy-out per item."""
+    """A run of the pipeline: copy-in, kernel on stage 1, transfer, kernel on stage 2, copy-out per item, with
+    ``slots`` sets of buffers in turn (the items in flight)."""
     (d1, p1), (d2, p2) = stage1, stage2
-    slots = 3
     xs = [await d1.allocate(n, dtypes.float32) for _ in range(slots)]
     ys = [await d1.allocate(n, dtypes.float32) for _ in range(slots)]
     zs = [await d2.allocate(n, dtypes.float32) for _ in range(slots)]
@@ -233,6 +246,38 @@ async def ray_pipeline() -> list[Result]:
     ]
 
 
+@loop_independent
+async def ray_pipeline_sim_nodes() -> list[Result]:
+    """The pipeline over SIM devices on two nodes vs over one SIM device: overlap without CPU contention."""
+    _cluster()
+    items, repeats = (4, 1) if settings.quick else (24, 5)
+    n = 4096
+    devs = {name: Device[name] for name in ("RAY:n1/SIM:1", "RAY:n2/SIM:1")}
+    progs = {name: await dev.compile(SPIN, outs=(0,)) for name, dev in devs.items()}
+
+    def stage(name: str) -> tuple[BaseDevice, Program]:
+        return devs[name], progs[name]
+
+    one = await _pipeline(stage("RAY:n1/SIM:1"), stage("RAY:n1/SIM:1"), items, n, 0, SIM_SLOTS)
+    two = await _pipeline(stage("RAY:n1/SIM:1"), stage("RAY:n2/SIM:1"), items, n, 0, SIM_SLOTS)
+    one_s, two_s = await interleaved(one, two, repeats)
+    speedup = one_s / two_s
+    return [
+        result(
+            "ray_pipeline_sim_nodes",
+            two_s * 1e3,
+            "ms",
+            one_s * 1e3,
+            speedup,
+            ">= 1.8x faster than one SIM device",
+            speedup >= 1.8,
+            items=items,
+            kernel_s=SIM_KERNEL_S,
+            ideal_speedup=2.0,
+        )
+    ]
+
+
 async def _transfer(name: str, first: str, second: str, nodes: tuple[str, str]) -> list[Result]:
     """Bytes/s of a transfer from RAY device ``first`` to ``second`` vs a bare put in an actor on the first
     of ``nodes`` and a get in one on the second."""
@@ -281,7 +326,7 @@ async def ray_transfer_nodes() -> list[Result]:
 
 
 BENCHMARKS: list[Benchmark] = (
-    [ray_launch_overhead, ray_pipeline, ray_transfer, ray_transfer_nodes]
+    [ray_launch_overhead, ray_pipeline, ray_pipeline_sim_nodes, ray_transfer, ray_transfer_nodes]
     if importlib.util.find_spec("ray") is not None
     else []
 )
