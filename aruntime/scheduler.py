@@ -137,8 +137,8 @@ class Scheduler:
         The native and Python engines (CPU, NULL, DISK devices) skip; CL and CUDA queues run what was handed to
         their driver. A request belongs to one task (a context variable carries it; a task started inside it
         belongs to it while it is open), and a request opened inside another of the same scheduler joins it: one
-        skip covers both, and the inner deadline bounds the inner block. Graph replays are never skipped, and
-        a request that a replay reads from is not either.
+        skip covers both, and while the inner block is open the earlier of the two deadlines applies to the
+        ops of both. Graph replays are never skipped, and a request that a replay reads from is not either.
         """
         if deadline is not None and (
             not isinstance(deadline, (int, float)) or isinstance(deadline, bool) or not 0 < deadline < math.inf
@@ -373,7 +373,7 @@ _current_request: contextvars.ContextVar[Request | None] = contextvars.ContextVa
 class Request:
     """The ops one task submits through a scheduler inside ``async with sched.request():`` (see
     :meth:`Scheduler.request`). A request opened inside another of the same scheduler joins it: one skip
-    covers both, and its own deadline bounds its own block."""
+    covers both, and while it is open the earlier of their deadlines applies to the ops of both."""
 
     def __init__(self, scheduler: Scheduler, deadline: float | None) -> None:
         self.scheduler = scheduler
