@@ -45,6 +45,16 @@ void kernel(float *out, const float *x, int64_t n, double s) {
 }
 """
 
+SLEEP = r"""
+#include <stdint.h>
+#include <unistd.h>
+/* Hold the compute queue for `ms` milliseconds, then add one to each byte. */
+void kernel(uint8_t *buf, int64_t n, int64_t ms) {
+  usleep((useconds_t)(ms * 1000));
+  for (int64_t i = 0; i < n; i++) buf[i] += 1;
+}
+"""
+
 ADD_ONE = r"""
 #include <stdint.h>
 void kernel(uint8_t *buf, int64_t n) { for (int64_t i = 0; i < n; i++) buf[i] += 1; }

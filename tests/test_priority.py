@@ -10,13 +10,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aruntime import Device, Program, dtypes, transfer
+from aruntime import Device, Program, dtypes
 from aruntime.device import BaseDevice
 from aruntime.engine import NativeEngine, ThreadEngine
 from aruntime.errors import DeviceError
 from aruntime.scheduler import Scheduler
 from tests.kernels import ADD_ONE, SPINS, closed_gate, gate_started
-from tests.test_scheduler_property import EXAMPLES, Case, Region, programs, reference, setup, view_of
+from tests.test_scheduler_property import EXAMPLES, Case, check_through_scheduler, programs
 
 pytestmark = pytest.mark.anyio
 
@@ -45,62 +45,8 @@ def prioritized(draw: st.DrawFn) -> tuple[Case, list[int], bool]:
 async def test_priorities_never_reorder_ops_on_the_same_memory(drawn: tuple[Case, list[int], bool]) -> None:
     """Random programs with a random priority per op, straight to the devices or through a scheduler: every
     copy-out and the final bytes equal the sequential reference."""
-    (n_dev, homes, ops, window), priorities, scheduled = drawn
-    affine, accumulate, ref, roots = await setup(DEVICES[:n_dev], homes)
-    expected = reference(ref, ops)
-    handles = []
-    with anyio.fail_after(60):
-        async with Scheduler(window=window) as sched:
-            for op, priority in zip(ops, priorities, strict=True):
-                kind = op[0]
-                if kind == "copyin":
-                    r, data = op[1], op[2]
-                    assert isinstance(r, Region)
-                    buf = view_of(roots, r)
-                    if scheduled:
-                        sched.copyin(buf, data, priority=priority)
-                    else:
-                        buf.owner.copyin(buf, data, priority=priority)
-                elif kind in ("affine", "accumulate"):
-                    a = op[1]
-                    assert isinstance(a, Region)
-                    if kind == "affine":
-                        assert isinstance(op[2], int) and isinstance(op[3], int)
-                        prog, bufs, vals = affine[roots[a.buf].device], [view_of(roots, a)], (a.length, op[2], op[3])
-                    else:
-                        x = op[2]
-                        assert isinstance(x, Region)
-                        prog, bufs, vals = (
-                            accumulate[roots[a.buf].device],
-                            [view_of(roots, a), view_of(roots, x)],
-                            (a.length,),
-                        )
-                    if scheduled:
-                        sched.launch(prog, *bufs, vals=vals, priority=priority)
-                    else:
-                        prog.device.launch(prog, *bufs, vals=vals, priority=priority)
-                elif kind == "copyout":
-                    r = op[1]
-                    assert isinstance(r, Region)
-                    buf = view_of(roots, r)
-                    handles.append(
-                        sched.copyout(buf, priority=priority)
-                        if scheduled
-                        else buf.owner.copyout(buf, priority=priority)
-                    )
-                else:
-                    dst, src = op[1], op[2]
-                    assert isinstance(dst, Region) and isinstance(src, Region)
-                    if scheduled:
-                        sched.transfer(view_of(roots, dst), view_of(roots, src), priority=priority)
-                    else:
-                        transfer(view_of(roots, dst), view_of(roots, src), priority=priority)
-        got = [bytes(await h) for h in handles]
-        assert got == expected
-        finals = [bytes(await root.owner.copyout(root)) for root in roots]
-    assert finals == [bytes(r) for r in ref]
-    for root in roots:
-        await root.owner.free(root)
+    case, priorities, scheduled = drawn
+    await check_through_scheduler(DEVICES, case, [not scheduled] * len(case[2]), priorities)
 
 
 async def _tickets(dev: BaseDevice) -> tuple[Program, ctypes.c_int32]:

@@ -31,19 +31,10 @@ from aruntime.backends.ray import DeviceLost, RemoteDevice  # noqa: E402
 from aruntime.events import DeviceEvent, RangeEvent  # noqa: E402
 from aruntime.profile import profile  # noqa: E402
 from aruntime.scheduler import Scheduler  # noqa: E402
-from tests.kernels import ADD_ONE, SCALE, Failing  # noqa: E402
+from tests.kernels import ADD_ONE, SCALE, SLEEP, Failing  # noqa: E402
 
 pytestmark = pytest.mark.anyio
 
-SLEEP = r"""
-#include <stdint.h>
-#include <unistd.h>
-/* Hold the compute queue for `ms` milliseconds, then add one to each byte. */
-void kernel(uint8_t *buf, int64_t n, int64_t ms) {
-  usleep((useconds_t)(ms * 1000));
-  for (int64_t i = 0; i < n; i++) buf[i] += 1;
-}
-"""
 LONG_MS = 1500
 """A kernel this long is still running when a test looks right after launching it."""
 

@@ -148,10 +148,12 @@ async def setup(
     return affine, accumulate, ref, roots
 
 
-async def check_through_scheduler(names: Sequence[str], case: Case, direct: Sequence[bool] = ()) -> None:
+async def check_through_scheduler(
+    names: Sequence[str], case: Case, direct: Sequence[bool] = (), priorities: Sequence[int] = ()
+) -> None:
     """Run ``case``'s program through a :class:`Scheduler` over the devices ``names`` (op ``i`` straight on its
-    device instead where ``direct[i]``); check every copy-out and the buffers' final bytes against
-    :func:`reference`."""
+    device instead where ``direct[i]``, at priority ``priorities[i]``, default 0); check every copy-out and the
+    buffers' final bytes against :func:`reference`."""
     n_dev, homes, ops, window = case
     affine, accumulate, ref, roots = await setup(names[:n_dev], homes)
     expected = reference(ref, ops)
@@ -160,12 +162,13 @@ async def check_through_scheduler(names: Sequence[str], case: Case, direct: Sequ
         async with Scheduler(window=window) as sched:
             for i, op in enumerate(ops):
                 on_device = i < len(direct) and direct[i]
+                p = priorities[i] if i < len(priorities) else 0
                 kind = op[0]
                 if kind == "copyin":
                     r, data = op[1], op[2]
                     assert isinstance(r, Region)
                     buf = view_of(roots, r)
-                    (buf.owner.copyin if on_device else sched.copyin)(buf, data)
+                    (buf.owner.copyin if on_device else sched.copyin)(buf, data, priority=p)
                 elif kind in ("affine", "accumulate"):
                     r = op[1]
                     assert isinstance(r, Region)
@@ -179,16 +182,16 @@ async def check_through_scheduler(names: Sequence[str], case: Case, direct: Sequ
                             [view_of(roots, r), view_of(roots, x)],
                             (r.length,),
                         )
-                    (prog.device.launch if on_device else sched.launch)(prog, *bufs, vals=vals)  # type: ignore[arg-type]
+                    (prog.device.launch if on_device else sched.launch)(prog, *bufs, vals=vals, priority=p)  # type: ignore[arg-type]
                 elif kind == "copyout":
                     r = op[1]
                     assert isinstance(r, Region)
                     buf = view_of(roots, r)
-                    handles.append((buf.owner.copyout if on_device else sched.copyout)(buf))
+                    handles.append((buf.owner.copyout if on_device else sched.copyout)(buf, priority=p))
                 else:
                     dst, src = op[1], op[2]
                     assert isinstance(dst, Region) and isinstance(src, Region)
-                    (transfer if on_device else sched.transfer)(view_of(roots, dst), view_of(roots, src))
+                    (transfer if on_device else sched.transfer)(view_of(roots, dst), view_of(roots, src), priority=p)
         got = [bytes(await h) for h in handles]
         assert got == expected
         finals = [bytes(await root.owner.copyout(root)) for root in roots]
