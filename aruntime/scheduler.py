@@ -380,8 +380,6 @@ class Request:
         self.deadline = deadline
         """Seconds the block may take (None: no bound)."""
         self.gate = new_gate()
-        self.outer: Request | None = None
-        """The request of the same scheduler this one was opened in, if any (they share the gate)."""
         self.enclosing: Request | None = None
         """The task's request (of any scheduler) this one was opened in."""
         self._scope: anyio.CancelScope | None = None
@@ -407,9 +405,9 @@ class Request:
             raise RuntimeError("a request is entered once: make a new one with sched.request()")
         self._entered = True
         self.enclosing = _current_request.get()
-        self.outer = self.scheduler._open_request()
-        if self.outer is not None:
-            self.gate = self.outer.gate
+        outer = self.scheduler._open_request()  # of the same scheduler: this one joins it
+        if outer is not None:
+            self.gate = outer.gate
         self._deadline_before = self.gate[DEADLINE]
         if self.deadline is not None:
             end = min(time.monotonic_ns() + int(self.deadline * 1e9), 1 << 62)
@@ -427,6 +425,8 @@ class Request:
         try:
             self.scheduler._requests.discard(self)
             if exc_type is not None:
+                if self._scope is not None and self._scope.cancel_called:  # the deadline ended the block: the loop's
+                    self.gate[DEADLINE] = min(self.gate[DEADLINE], time.monotonic_ns())  # timer may run a bit early
                 self.skip()
             else:  # ended in time: what it left running is bounded by the enclosing request only
                 self.gate[DEADLINE] = self._deadline_before
