@@ -32,11 +32,11 @@ from aruntime.engine import (
     dispatch_when_ready,
     first_failure,
 )
-from aruntime.engine.ops import SHARED, SKIP
+from aruntime.engine.ops import protect
 from aruntime.errors import BufferUsageError, DeviceError, SignalTimeout
 from aruntime.events import GraphEntry, GraphEvent, recorder
 from aruntime.helpers import after_all
-from aruntime.memory import Buffer, pin, typed
+from aruntime.memory import Buffer, pin, typed, zeroed
 
 _graph_ids = itertools.count(1)
 
@@ -409,7 +409,7 @@ class Graph:
                 raise BufferUsageError(f"graph input {entry.host!r} has {size} bytes, {entry.writes[0]!r} has {nbytes}")
             return (COPY, entry.name, entry.device.copy_fn, handles[step.slots[0]], address, nbytes)
         dest = inputs.get(entry.host)
-        dest = typed(memoryview(bytearray(nbytes)), entry.reads[0].dtype) if dest is None else dest
+        dest = typed(zeroed(nbytes), entry.reads[0].dtype) if dest is None else dest
         holder, address, size = pin(dest, writable=True)
         keep.append(holder)
         if size != nbytes:
@@ -441,9 +441,7 @@ class Graph:
             # parts that consume what it should have written
             outside = [d for d in inputs[engine] if d not in mine]
             ops[engine].inputs = outside + [ops[f] for f in plan.feeds[engine]]
-            for producer in outside:  # a replay is never skipped: a request it reads from is not either
-                if producer.gate is not None and not producer.gate[SKIP]:
-                    producer.gate[SHARED] = 1
+            protect(outside, None)  # a replay is never skipped: a request it reads from is not either
         # all engines' parts go together, once every outside dependency is on its queue: their progress
         # waits on one another must never sit in front of an outside op they depend on
         parts = list(ops.values())

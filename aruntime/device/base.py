@@ -35,11 +35,10 @@ from aruntime.engine import (
     dispatch_when_ready,
     make_engine,
 )
-from aruntime.engine.ops import SHARED, SKIP, check_priority
+from aruntime.engine.ops import check_priority, protect
 from aruntime.errors import BufferUsageError, DeviceError
 from aruntime.helpers import checkpoint, getenv, is_index
-from aruntime.memory import Allocator, Buffer, BufferScope, BufferSpec, pin, typed
-from aruntime.memory.buffer import zeroed
+from aruntime.memory import Allocator, Buffer, BufferScope, BufferSpec, pin, typed, zeroed
 
 
 class BaseDevice(Closing, ProfileHooks):
@@ -291,9 +290,7 @@ class BaseDevice(Closing, ProfileHooks):
                 buf.log.access(buf.offset, buf.offset + buf.nbytes, True, False, op, engine, deps, inputs)
             if inputs:
                 op.inputs = inputs
-                for producer in inputs:  # an op whose output another request reads is never skipped (unless
-                    if producer.gate is not None and producer.gate is not gate and not producer.gate[SKIP]:
-                        producer.gate[SHARED] = 1  # it already was: then the reader fails, naming it)
+                protect(inputs, gate)
         admitted = window is None or window._admit((op,))
         if admitted and not deps:
             return engine.push(body, op)

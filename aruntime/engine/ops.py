@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from array import array
-from collections.abc import Callable, Collection, Generator, Sequence
+from collections.abc import Callable, Collection, Generator, Iterable, Sequence
 from typing import Any
 
 from aruntime.engine.metrics import summary
@@ -61,6 +61,16 @@ def check_priority(priority: object, what: str) -> int:
 def new_gate(deadline_ns: int = 0) -> array[int]:
     """A gate for the ops of one request (see :data:`SKIP`)."""
     return array("q", [0, deadline_ns, 0])
+
+
+def protect(producers: Iterable[Op], gate: array[int] | None) -> None:
+    """An op of ``gate`` (None: of no request) reads what ``producers`` write: the request of each producer from
+    another one is never skipped from now on, unless it was told to skip already (then the reader fails,
+    naming the skipped op)."""
+    for producer in producers:
+        other = producer.gate
+        if other is not None and other is not gate and not other[SKIP]:
+            other[SHARED] = 1
 
 
 def skip_error(op: Op, deadline: bool) -> OpSkipped:

@@ -13,7 +13,7 @@ from aruntime.memory.allocator import (
     Mappings,
     host_view,
 )
-from aruntime.memory.buffer import Buffer, BufferScope, from_dlpack, open_devices_with, typed
+from aruntime.memory.buffer import Buffer, BufferScope, from_dlpack, open_devices_with, typed, zeroed
 from aruntime.memory.hazards import AccessLog
 from aruntime.memory.pinning import Pin, pin, refuse_pointers
 
@@ -35,4 +35,5 @@ __all__ = [
     "pin",
     "refuse_pointers",
     "typed",
+    "zeroed",
 ]

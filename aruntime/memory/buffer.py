@@ -50,7 +50,7 @@ def zeroed(nbytes: int) -> memoryview:
     return memoryview(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
 
 
-def _host_view(obj: object, what: str) -> memoryview:
+def _checked_view(obj: object, what: str) -> memoryview:
     """A view of the host memory ``obj`` for a blocking copy; a :class:`BufferUsageError` naming ``what`` if it
     has none, or one that holds pointers (see :func:`~aruntime.memory.pinning.refuse_pointers`)."""
     try:
@@ -289,7 +289,7 @@ class Buffer:
 
     def copyin(self, src: memoryview) -> Buffer:
         """Copy ``src`` (exactly ``nbytes`` long) into the buffer, blocking this thread."""
-        src = _host_view(src, "copyin source")
+        src = _checked_view(src, "copyin source")
         if src.nbytes != self.nbytes:
             raise BufferUsageError(f"copyin of {src.nbytes} bytes into {self!r} of {self.nbytes} bytes")
         handle = self.handle
@@ -299,7 +299,7 @@ class Buffer:
 
     def copyout(self, dest: memoryview) -> memoryview:
         """Copy the buffer into ``dest`` (exactly ``nbytes`` long), blocking this thread."""
-        dest = _host_view(dest, "copyout destination")
+        dest = _checked_view(dest, "copyout destination")
         if dest.nbytes != self.nbytes:
             raise BufferUsageError(f"copyout of {self!r} ({self.nbytes} bytes) into {dest.nbytes} bytes")
         handle = self.handle

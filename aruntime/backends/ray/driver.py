@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import ctypes
 import itertools
 import pickle
 import queue
@@ -34,7 +33,7 @@ from aruntime.engine import COPY, EXEC, SIGNAL, WAIT, Command, Engine, Op, Sampl
 from aruntime.errors import BufferUsageError, DeviceError, DeviceLost, OpError, SignalTimeout
 from aruntime.events import DeviceEvent, RangeEvent, now_us, recorder
 from aruntime.helpers import after_all, canonicalize, checkpoint
-from aruntime.memory import Buffer, BufferSpec, LRUAllocator
+from aruntime.memory import Buffer, BufferSpec, LRUAllocator, host_view
 
 MAX_CONCURRENCY = 10_000
 """Calls an actor runs at once (its ops; they wait for their turn, then for their op)."""
@@ -105,12 +104,8 @@ class RemoteAllocator(LRUAllocator[RemoteHandle]):
         dest.cast("B")[:] = materialize(payload)
 
 
-def _host_view(address: int, nbytes: int) -> memoryview:
-    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
-
-
 def _store_host(address: int, nbytes: int, payload: Any) -> None:
-    _host_view(address, nbytes)[:] = materialize(payload)
+    host_view(address, nbytes)[:] = materialize(payload)
 
 
 def _store_local(dev: BaseDevice, handle: Any, payload: Any) -> None:
@@ -177,7 +172,7 @@ class RayEngine(Engine):
         if cmd[0] == COPY:  # BaseDevice.copyin / copyout: between host memory and a remote buffer
             _, name, _, dst, src, nbytes = cmd
             if isinstance(dst, RemoteHandle):
-                dev.call("copyin", (dst, name), call, data=pickle.PickleBuffer(_host_view(src, nbytes)))
+                dev.call("copyin", (dst, name), call, data=pickle.PickleBuffer(host_view(src, nbytes)))
             else:
                 call.store = partial(_store_host, dst, nbytes)
                 dev.call("export", (src, name), call)
