@@ -1,6 +1,7 @@
 """The system C compiler: its identity, building shared libraries with it, and loading them.
 
-Used by the native engine core (built once, into the compile cache) and by the CPU device's kernels.
+Used by the native engine core and its submission extension (built once, into the compile cache) and by the CPU
+device's kernels.
 ``CC`` in the environment names the compiler (default ``cc``).
 """
 
@@ -9,6 +10,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import importlib.machinery
+import importlib.util
 import os
 import platform
 import shutil
@@ -16,6 +19,7 @@ import struct
 import subprocess
 import tempfile
 from collections.abc import Sequence
+from types import ModuleType
 
 from aruntime.compile.cache import cache_get, cache_put
 from aruntime.errors import CompileError
@@ -142,6 +146,20 @@ def _check_elf(lib: bytes) -> None:
 
 
 _loaded: dict[bytes, ctypes.CDLL] = {}
+_modules: dict[bytes, ModuleType] = {}
+
+
+def _written(lib: bytes) -> str:
+    """The path of a new private temporary file holding ``lib``, checked first (see :func:`load`)."""
+    _check_elf(lib)
+    fd, path = tempfile.mkstemp(prefix="aruntime-", suffix=".so", dir=_load_dir())
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(lib)
+    except BaseException:
+        os.unlink(path)
+        raise
+    return path
 
 
 def load(lib: bytes) -> ctypes.CDLL:
@@ -156,12 +174,30 @@ def load(lib: bytes) -> ctypes.CDLL:
     """
     loaded = _loaded.get(lib)
     if loaded is None:
-        _check_elf(lib)
-        fd, path = tempfile.mkstemp(prefix="aruntime-", suffix=".so", dir=_load_dir())
+        path = _written(lib)
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(lib)
             loaded = _loaded.setdefault(lib, ctypes.CDLL(path))
         finally:
             os.unlink(path)
     return loaded
+
+
+def load_module(lib: bytes, name: str) -> ModuleType:
+    """The CPython extension module ``name`` (its init function ``PyInit_<last part of name>``) in the binary
+    ``lib``, loaded once per process as :func:`load` loads a library; ``OSError`` where it cannot be (ImportError
+    from the loader included)."""
+    module = _modules.get(lib)
+    if module is None:
+        path = _written(lib)
+        try:
+            loader = importlib.machinery.ExtensionFileLoader(name, path)
+            spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+            assert spec is not None
+            module = importlib.util.module_from_spec(spec)
+            loader.exec_module(module)
+        except ImportError as exc:
+            raise OSError(f"the extension module {name} did not load: {exc}") from exc
+        finally:
+            os.unlink(path)
+        module = _modules.setdefault(lib, module)
+    return module

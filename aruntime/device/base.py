@@ -37,6 +37,7 @@ from aruntime.engine import (
 )
 from aruntime.engine.ops import check_priority, protect
 from aruntime.errors import BufferUsageError, DeviceError
+from aruntime.events import recorder
 from aruntime.helpers import checkpoint, getenv, is_index
 from aruntime.memory import Allocator, Buffer, BufferScope, BufferSpec, pin, typed, zeroed
 
@@ -276,6 +277,13 @@ class BaseDevice(Closing, ProfileHooks):
         ``window`` (held, as with ``hold``) once it admits the op."""
         if self.state != "open":
             self.check_usable(name)
+        fast = engine.fast_submit
+        if fast is not None and window is None and not hold and not recorder.enabled:
+            made: Op | None = fast(engine, name, body, reads, writes, keep, result)
+            if made is not None:
+                if made.engine is None:  # its hazards are recorded; a dependency needs the Python hand-off
+                    dispatch_when_ready([(engine, body, made)], False)
+                return made
         engine.check_open(name)  # before the hazard logs learn of an op that would never run
         op = Op(name, (), keep, result)
         gate = None if window is None else window._gate()

@@ -29,6 +29,7 @@ from typing import Any
 from aruntime.engine import native
 from aruntime.engine.kernel import _NATIVE_COPIES, _NOTHING, Entry, KernelError
 from aruntime.engine.metrics import HIST
+from aruntime.engine.native import submit
 from aruntime.engine.native.signal import NativeSignal
 from aruntime.engine.ops import (
     ABANDONED,
@@ -194,6 +195,7 @@ class NativeEngine(Engine):
         self._joined = False
         self._high: NativeEngine | None = None  # the engine this one lets go first: kept alive as long as this one
         self.signal.retire = self.retire
+        self.fast_submit = submit.load(lib, NativeEngine)
 
     def __del__(self) -> None:
         if getattr(self, "_joined", False):

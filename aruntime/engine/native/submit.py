@@ -1,0 +1,90 @@
+"""The eager submission path in C: ``submit.c``, a CPython extension module built like the core.
+
+Submitting an op in Python costs several microseconds on the event loop's thread (the op object, the hazard
+logs, packing the records, a ctypes call). ``submit.c`` does the same for the common op (one kernel or copy that
+the worker runs without Python, submitted with no window, no hold and no profile recording) in one call from
+:meth:`BaseDevice._submit <aruntime.device.base.BaseDevice._submit>`, with the same rules; every other op, and
+every op where the extension cannot be built, takes the Python path, which stays the reference.
+
+It is built at first use with the system C compiler against the running interpreter's headers (``Python.h``;
+on Debian and Ubuntu the ``python3-dev`` package), through the compile cache like the core, under a key that
+names the interpreter's version and ABI. Where it cannot be built or loaded (no headers, no compiler), or with
+``ARUNTIME_FAST_SUBMIT=0``, the Python path serves every op and :data:`unavailable` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import sysconfig
+import threading
+from collections.abc import Callable
+from importlib import resources
+from typing import Any
+
+from aruntime.compile import Compiler, cc
+from aruntime.helpers import getenv
+
+FLAGS = ("-O2", "-fPIC", "-shared")
+Submit = Callable[..., Any]
+"""``submit(engine, name, body, reads, writes, keep, result)``: the op, or None where the Python path must take it
+(see ``submit.c``)."""
+
+unavailable: str | None = None
+"""Why the C submission path is not in use (None while it is, or before it was first asked for)."""
+_submit: Submit | None = None
+_decided = False
+_lock = threading.Lock()
+
+
+def _include() -> str:
+    return sysconfig.get_paths()["include"]
+
+
+class _ExtensionCompiler(Compiler):
+    """The system C compiler building ``submit.c`` for the running interpreter."""
+
+    @property
+    def cachekey(self) -> str | None:
+        """``NATIVE_submit_<hash of the compiler, its flags, and the interpreter's version, ABI and headers>``."""
+        path = cc.compiler_path()
+        if path is None:
+            return None
+        abi = sysconfig.get_config_var("EXT_SUFFIX") or ""
+        version = cc.compiler_version(path)
+        return self.make_cachekey("NATIVE_submit", path, version, *FLAGS, sys.version, abi, _include())
+
+    def compile(self, src: str) -> bytes:
+        return cc.build(src, (*FLAGS, f"-I{_include()}"))
+
+
+def _build(lib: ctypes.CDLL, native_type: type) -> Submit:
+    from aruntime.engine.kernel import _NATIVE_COPIES, _NOTHING, Entry
+    from aruntime.engine.ops import HELD, WAIT, Op, protect
+    from aruntime.events import op_ids
+
+    src = resources.files(__package__).joinpath("submit.c").read_text()
+    name = f"{__package__}._submit"
+    module = _ExtensionCompiler().compile_cached(src, load=lambda binary: cc.load_module(binary, name))
+    address = ctypes.cast(lib.ar_submit, ctypes.c_void_p).value
+    module.init(address, HELD, Op, native_type, Entry, _NOTHING, _NATIVE_COPIES, op_ids, protect, WAIT)
+    submit: Submit = module.submit
+    return submit
+
+
+def load(lib: ctypes.CDLL, native_type: type) -> Submit | None:
+    """The C ``submit`` for native engines of ``native_type`` over the core ``lib``, built on the first call; None
+    where it cannot be had (see :data:`unavailable`)."""
+    global _submit, _decided, unavailable
+    if not _decided:
+        with _lock:
+            if not _decided:
+                if not getenv("FAST_SUBMIT", 1, minimum=0, maximum=1):
+                    unavailable = "ARUNTIME_FAST_SUBMIT=0"
+                else:
+                    try:
+                        _submit = _build(lib, native_type)
+                    except Exception as exc:  # no headers, no compiler, a failed build or load
+                        unavailable = f"the C submission path could not be built: {exc}"
+                _decided = True
+    return _submit
