@@ -1,8 +1,9 @@
-"""Dynamic batching: concurrent requests served by batched calls, errors, cancellation, closing."""
+"""Dynamic batching: concurrent requests served by batched calls, priorities, errors, cancellation, closing."""
 
 from __future__ import annotations
 
 import array
+import re
 from collections.abc import Sequence
 
 import anyio
@@ -240,6 +241,168 @@ async def test_callers_outside_a_cancelled_batcher_get_an_error_instead_of_hangi
         "the batcher was closed before this item ran",
         "the batcher was closed while this item ran",
     ]
+
+
+class PriorityRecorder:
+    """A batch function that declares ``priority``: doubles its items and records each batch with its priority."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[int, list[int]]] = []
+        self.gate: anyio.Event | None = None  # when set, each batch waits for it
+
+    async def __call__(self, items: list[int], *, priority: int) -> list[int]:
+        self.batches.append((priority, list(items)))
+        if self.gate is not None:
+            await self.gate.wait()
+        return [2 * i for i in items]
+
+
+async def _queue_behind_a_running_batch(
+    batcher: Batcher[int, int], gate: anyio.Event, calls: Sequence[tuple[int, int]]
+) -> dict[int, int]:
+    """Run item 0 (normal) and hold it in ``run`` until ``gate``; meanwhile make each call of ``calls``
+    (``(item, priority)``, one group after the other as given, each group in waiting before the next comes), then
+    release the gate; item -> result."""
+    results: dict[int, int] = {}
+
+    async def one(item: int, priority: int) -> None:
+        results[item] = await batcher(item, priority=priority)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(one, 0, 0)
+        await anyio.wait_all_tasks_blocked()  # batch [0] runs, held by the gate
+        for item, priority in calls:
+            tg.start_soon(one, item, priority)
+            await anyio.wait_all_tasks_blocked()  # each item is in its batch before the next comes
+        gate.set()
+    return results
+
+
+async def test_high_priority_batches_overtake_waiting_normal_ones() -> None:
+    run = Recorder()
+    run.gate = anyio.Event()
+    calls = [(1, 0), (2, 0), (3, 0), (10, -1), (11, -1), (12, -1), (4, 0)]
+    async with Batcher(run, max_batch=2) as batcher:
+        results = await _queue_behind_a_running_batch(batcher, run.gate, calls)
+    assert results == {i: 2 * i for i in (0, 1, 2, 3, 4, 10, 11, 12)}
+    # the running batch finished; then every high batch, then the normal ones, each priority in arrival order
+    assert run.batches == [[0], [10, 11], [12], [1, 2], [3, 4]]
+
+
+async def test_a_high_priority_item_that_comes_while_a_high_batch_runs_still_goes_before_normal_ones() -> None:
+    run = PriorityRecorder()
+    gates = [anyio.Event(), anyio.Event()]
+    order: list[int] = []
+
+    async def one(item: int, priority: int) -> None:
+        await batcher(item, priority=priority)
+        order.append(item)
+
+    async with Batcher(run) as batcher, anyio.create_task_group() as tg:
+        run.gate = gates[0]
+        tg.start_soon(one, 10, -1)
+        await anyio.wait_all_tasks_blocked()  # high batch [10] runs, held by the first gate
+        tg.start_soon(one, 1, 0)
+        await anyio.wait_all_tasks_blocked()
+        tg.start_soon(one, 11, -1)
+        await anyio.wait_all_tasks_blocked()
+        run.gate = None
+        gates[0].set()
+    assert run.batches == [(-1, [10]), (-1, [11]), (0, [1])]
+    assert order == [10, 11, 1]
+
+
+async def test_run_that_declares_priority_is_given_its_batchs_priority() -> None:
+    async def positional(items: list[int], priority: int = 0) -> list[int]:  # not keyword-only: also taken
+        seen.append((priority, list(items)))
+        return items
+
+    seen: list[tuple[int, list[int]]] = []
+    run = PriorityRecorder()
+    run.gate = anyio.Event()
+    async with Batcher(run) as batcher:
+        assert batcher.takes_priority
+        await _queue_behind_a_running_batch(batcher, run.gate, [(1, 0), (10, -1)])
+        run.gate = None
+        assert await batcher(5) == 10  # the default priority is 0
+    assert run.batches == [(0, [0]), (-1, [10]), (0, [1]), (0, [5])]
+    async with Batcher(positional) as other:
+        assert await other(3, priority=-1) == 3 and await other(4) == 4
+    assert seen == [(-1, [3]), (0, [4])]
+
+
+async def test_run_without_priority_is_called_with_the_items_only_whatever_the_priority() -> None:
+    async def options(items: list[int], **options: int) -> list[int]:  # **options does not declare priority
+        assert not options
+        return items
+
+    run = Recorder()
+    async with Batcher(run) as batcher, Batcher(options) as other:
+        assert not batcher.takes_priority and not other.takes_priority
+        assert await batcher(1, priority=-1) == 2 and await batcher(2) == 4
+        assert await other(3, priority=-1) == 3
+    assert run.batches == [[1], [2]]
+
+
+async def test_a_bad_priority_is_refused_before_the_item_is_taken() -> None:
+    run = Recorder()
+    async with Batcher(run) as batcher:
+        for bad in (1, -2, True, "high", None, -1.0):
+            message = f"Batcher: priority must be 0 (normal) or -1 (high), got {bad!r}"
+            with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+                await batcher(7, priority=bad)  # type: ignore[arg-type]
+        assert await batcher(2) == 4
+    assert run.batches == [[2]]  # nothing of the refused calls was queued
+    with pytest.raises(ValueError, match="priority must be"):
+        await batcher(1, priority=5)  # refused as such by a closed batcher too
+
+
+async def test_a_run_that_cannot_be_called_with_its_items_is_refused() -> None:
+    async def nothing() -> list[int]:
+        return []
+
+    async def extra(items: list[int], *, priority: int, more: int) -> list[int]:
+        return items
+
+    async def positional_only(items: list[int], priority: int, /) -> list[int]:
+        return items
+
+    for bad, how in ((nothing, "run(items)"), (extra, "run(items, priority=p)"), (positional_only, "run(items)")):
+        with pytest.raises(TypeError, match=rf"run must be an async function .* cannot be called as {re.escape(how)}"):
+            Batcher(bad)  # type: ignore[arg-type]
+
+
+async def test_a_batch_run_at_its_priority_on_a_device() -> None:
+    """``run`` passes its batch's priority on to its ops: high-priority requests use the device's high queues."""
+    dev = Device["CPU"]
+    prog = await dev.compile(SCALE, outs=(0,))
+    width = 4
+    queues: list[tuple[int, int]] = []  # (batch priority, priority of the queue its launch went to)
+
+    async def scale(requests: list[array.array[float]], *, priority: int) -> list[array.array[float]]:
+        n = len(requests) * width
+        async with dev.buffer(n, dtypes.float32) as x, dev.buffer(n, dtypes.float32) as y:
+            packed = array.array("f")
+            for request in requests:
+                packed.extend(request)
+            dev.copyin(x, packed, priority=priority)
+            launch = dev.launch(prog, y, x, vals=(n, 3.0), priority=priority)
+            queues.append((priority, launch.engine.priority))
+            out = array.array("f", await dev.copyout(y, priority=priority))
+        return [out[i * width : (i + 1) * width] for i in range(len(requests))]
+
+    results: dict[int, list[float]] = {}
+    async with Batcher(scale, max_batch=16) as batcher:
+
+        async def one(i: int) -> None:
+            results[i] = list(await batcher(array.array("f", [float(i)] * width), priority=-1 if i % 2 else 0))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(64):
+                tg.start_soon(one, i)
+    assert results == {i: [3.0 * i] * width for i in range(64)}
+    assert {p for p, _ in queues} == {0, -1} and all(p == q for p, q in queues)
+    assert dev.metrics()["compute_high"]["done"] >= 1
 
 
 async def test_bad_arguments_and_misuse_are_refused() -> None:
