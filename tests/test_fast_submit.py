@@ -32,7 +32,7 @@ def _fast(dev: BaseDevice) -> bool:
     """Whether ``dev``'s queues submit in C; skips the test (with the reason) where they cannot."""
     if not isinstance(dev.compute, NativeEngine):
         pytest.skip("the Python engine has no C submission path")
-    if dev.compute.fast_submit is None:
+    if dev.compute.fast is None:
         pytest.skip(f"the C submission path is unavailable: {submit.unavailable}")
     return True
 
@@ -40,13 +40,14 @@ def _fast(dev: BaseDevice) -> bool:
 def _python_path(dev: BaseDevice) -> None:
     """Make ``dev``'s queues submit on the Python path from now on."""
     for engine in dev.engines:
-        engine.fast_submit = None
+        engine.fast = None
 
 
 async def _program(dev: BaseDevice, seed: int) -> tuple[list[tuple[Any, ...]], list[bytes]]:
     """Submit a seeded random program of eager copy-ins, kernels and copy-outs behind a closed gate that holds
-    both queues (nothing finishes while it is submitted); return each op's shape as submitted (queue, value past the gate's,
-    the indices of its dependencies and inputs, its command kinds) and the bytes the buffers end with."""
+    both queues (nothing finishes while it is submitted); return each op's shape as submitted (queue, value
+    past the gate's, the indices of its dependencies and inputs, its command kinds) and the bytes the buffers
+    end with."""
     gate, flag = await closed_gate(dev)
     add = await dev.compile(ADD_ONE, outs=(0,))
     big = dev.inline_copy_max + 4  # too big to ride on the compute queue
@@ -135,6 +136,100 @@ async def test_a_closed_queue_refuses_an_op_on_either_path(path: str) -> None:
         await dev.aclose()
 
 
+MIXED = r"""
+#include <stdint.h>
+void kernel(double *out, const uint8_t *x, int8_t a, uint16_t b, int32_t c, uint64_t d, float e, double f) {
+  out[0] = x[0] + a + b + c + (double)d + e + f;
+}
+"""
+"""A kernel with a scalar of every packing: what it computes shows each scalar arrived as given."""
+
+
+async def test_launch_scalars_arrive_alike_on_either_path() -> None:
+    fast, slow = Device["CPU:5"], Device["CPU:6"]
+    _fast(fast)
+    _python_path(slow)
+    cases = [
+        (-128, 0, -(1 << 31), 0, 0.5, -1.25),
+        (127, 65535, (1 << 31) - 1, (1 << 63) - 1, 3, True),
+        (0, 7, 5, 9, -2.5, 1e300),
+    ]
+    for dev in (fast, slow):
+        prog = await dev.compile(MIXED, outs=(0,))
+        out, x = await dev.allocate(1, dtypes.float64), await dev.allocate(1)
+        await dev.copyin(x, b"\x03")
+        got = []
+        for vals in cases:
+            await dev.launch(prog, out, x, vals=vals)
+            got.append((await dev.copyout(out)).tolist())
+        if dev is fast:  # these launches were the C path's
+            op = dev.compute.fast.launch(dev, prog, (out, x), cases[0], None, False, None, 0)
+            assert isinstance(op, Op)
+            await op
+        if dev is fast:
+            expected = got
+        else:
+            assert got == expected
+
+
+def _refusal(method: Any, *args: Any, **kwargs: Any) -> tuple[type, str]:
+    try:
+        method(*args, **kwargs)
+    except Exception as exc:  # the refusal to compare
+        return type(exc), str(exc).replace("CPU:5", "DEV").replace("CPU:6", "DEV")
+    raise AssertionError(f"not refused: {method.__name__}{args} {kwargs}")
+
+
+async def _refusals(dev: BaseDevice, other: BaseDevice) -> list[tuple[type, str]]:
+    """The errors ``dev``'s op methods raise for bad arguments (``other``: another device); the hazard logs of
+    the buffers they name are left as they were."""
+    prog = await dev.compile(MIXED, outs=(0,))
+    add = await dev.compile(ADD_ONE, outs=(0,))
+    out, x = await dev.allocate(1, dtypes.float64), await dev.allocate(1)
+    freed = await dev.allocate(1)
+    await dev.free(freed)
+    foreign = await other.allocate(1)
+    good = (1, 2, 3, 4, 5.0, 6.0)
+    launch, copyin, copyout = dev.launch, dev.copyin, dev.copyout
+    before = [list(b.log.entries) for b in (out, x)]
+    found = [
+        _refusal(launch, prog, out, x, vals=(1, 2, 3, 4, 5.0)),  # a scalar short
+        _refusal(launch, prog, out, x, vals=(*good, 7)),  # one too many
+        _refusal(launch, prog, out, vals=good),  # a buffer short
+        _refusal(launch, prog, out, x, vals=(128, 2, 3, 4, 5.0, 6.0)),  # int8 overflow
+        _refusal(launch, prog, out, x, vals=(1, -1, 3, 4, 5.0, 6.0)),  # negative unsigned
+        _refusal(launch, prog, out, x, vals=(1, 2, 3, 1 << 63, 5.0, 6.0)),  # beyond int64
+        _refusal(launch, prog, out, x, vals=(1.5, 2, 3, 4, 5.0, 6.0)),  # a float for an int
+        _refusal(launch, prog, out, x, vals=(1, 2, 3, 4, "5", 6.0)),  # not a number
+        _refusal(launch, prog, out, x, vals=7),  # not a sequence
+        _refusal(launch, prog, out, freed, vals=good),
+        _refusal(launch, prog, out, foreign, vals=good),
+        _refusal(launch, prog, out, b"x", vals=good),
+        _refusal(launch, add, x, vals=(1,), outs=(3,)),
+        _refusal(launch, "kernel", x),
+        _refusal(copyin, x, b"ab"),
+        _refusal(copyin, x, b""),
+        _refusal(copyin, freed, b"a"),
+        _refusal(copyin, foreign, b"a"),
+        _refusal(copyin, x, 5),
+        _refusal(copyout, x, into=b"a"),  # read-only
+        _refusal(copyout, x, into=bytearray(2)),
+        _refusal(copyout, freed),
+    ]
+    assert [list(b.log.entries) for b in (out, x)] == before
+    await other.free(foreign)
+    return found
+
+
+async def test_every_refusal_is_the_python_paths() -> None:
+    """Arguments the C path cannot take go to the Python path, which refuses them with its own errors; nothing
+    is left in the hazard logs."""
+    fast, slow = Device["CPU:5"], Device["CPU:6"]
+    _fast(fast)
+    _python_path(slow)
+    assert await _refusals(fast, slow) == await _refusals(slow, fast)
+
+
 def _run(code: str, **env: str) -> str:
     """Run ``code`` in a fresh interpreter with ``env`` added; its stdout."""
     proc = subprocess.run(
@@ -163,7 +258,7 @@ async def main():
         dev.launch(prog, buf, vals=(1 << 17,))
         outs.append(dev.copyout(buf))
     assert [bytes(await o) for o in outs] == [bytes([i + 1]) * (1 << 17) for i in range(50)]
-    print(dev.compute.fast_submit is None, submit.unavailable)
+    print(dev.compute.fast is None, submit.unavailable)
 anyio.run(main)
 """
 

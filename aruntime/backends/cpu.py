@@ -237,6 +237,8 @@ class CPUProgram(Program):
         self._scalars = [p for p in params if p.kind != "p"]
         self._format = "=" + "".join(_PACK.get(p.kind, "q" if p.kind == "i" else "Q") for p in params)
         self._order = [p.kind == "p" for p in params]
+        if type(self).bind is CPUProgram.bind:  # the native path packs the words as bind does
+            self._plan = (self.entry, bytes(b for p in params for b in (ord(p.kind), p.bits)))
 
     def bind(self, addresses: Sequence[int], vals: Sequence[int | float]) -> Bound:
         """The kernel's entry and its arguments packed in one buffer: each pointer parameter gets the next

@@ -49,6 +49,8 @@ register_native(_nothing, "nothing")
 class NullProgram(Program):
     """Runs nothing."""
 
+    _plan = (_nothing, None)
+
     def bind(self, addresses: Sequence[int], vals: Sequence[int | float]) -> Bound:
         """A function that does nothing, with no arguments."""
         return _nothing, ()

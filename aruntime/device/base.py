@@ -277,9 +277,9 @@ class BaseDevice(Closing, ProfileHooks):
         ``window`` (held, as with ``hold``) once it admits the op."""
         if self.state != "open":
             self.check_usable(name)
-        fast = engine.fast_submit
+        fast = engine.fast
         if fast is not None and window is None and not hold and not recorder.enabled:
-            made: Op | None = fast(engine, name, body, reads, writes, keep, result)
+            made: Op | None = fast.submit(engine, name, body, reads, writes, keep, result)
             if made is not None:
                 if made.engine is None:  # its hazards are recorded; a dependency needs the Python hand-off
                     dispatch_when_ready([(engine, body, made)], False)
@@ -334,6 +334,11 @@ class BaseDevice(Closing, ProfileHooks):
         ``priority``: 0 (normal) or -1 (high: it overtakes queued normal ops, see
         :meth:`queue`).
         """
+        fast = self.copy.fast
+        if fast is not None:
+            made: Op | None = fast.copy(self, buf, data, None, hold, window, priority)
+            if made is not None:
+                return made
         handle = self._check(buf, "copyin")
         holder, address, nbytes = pin(data)
         if nbytes != buf.nbytes:
@@ -354,6 +359,11 @@ class BaseDevice(Closing, ProfileHooks):
         as numbers; a byte view for a dtype :mod:`memoryview` cannot cast to, such
         as float16 or bfloat16). ``hold``, ``window``, ``priority``: see :meth:`copyin`.
         """
+        fast = self.copy.fast
+        if fast is not None:
+            made: Op | None = fast.copy(self, buf, None, into, hold, window, priority)
+            if made is not None:
+                return made
         handle = self._check(buf, "copyout")
         dest = typed(zeroed(buf.nbytes), buf.dtype) if into is None else into
         try:
@@ -442,6 +452,11 @@ class BaseDevice(Closing, ProfileHooks):
         ``outs`` (default: the program's, else all) are the indices of the buffers it writes;
         the others are only read. ``hold``, ``window``, ``priority``: see :meth:`copyin`.
         """
+        fast = self.compute.fast
+        if fast is not None:
+            made: Op | None = fast.launch(self, prog, bufs, vals, outs, hold, window, priority)
+            if made is not None:
+                return made
         engine = self.queue("compute", priority)
         reads, writes = self._launch_access(prog, bufs, outs)
         check_scalars(f"launch {prog.name}", vals)

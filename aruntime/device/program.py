@@ -15,6 +15,12 @@ Bound = tuple[Callable[..., object], tuple[Any, ...]]
 class Program:
     """A compiled kernel of one device; :meth:`bind` says what the compute engine calls for a launch."""
 
+    _plan: tuple[Callable[..., object], bytes | None] | None = None
+    """How the native submission path binds a launch as :meth:`bind` does, or None where only :meth:`bind` can:
+    the callable, and the parameters as a byte pair each (``p``, ``f``, ``i`` or ``u``, and the bits), each
+    pointer taking the next buffer's address and each other the next scalar, packed as 8-byte words; or None
+    for a callable that takes no arguments, any buffers and no scalars."""
+
     def __init__(self, device: BaseDevice, name: str, lib: bytes, outs: Sequence[int] | None = None) -> None:
         self.device = device
         self.name = name

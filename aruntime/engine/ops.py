@@ -412,9 +412,9 @@ class Engine:
     not runs every op it was given."""
     skipped = 0
     """Ops this engine skipped because their gate said so."""
-    fast_submit: Callable[..., Any] | None = None
-    """The native submission path of this engine's eager ops (see :mod:`aruntime.engine.native.submit`), or None
-    where every op takes the Python path."""
+    fast: Any = None
+    """The native submission path of this engine's eager ops (the module :mod:`aruntime.engine.native.submit`
+    builds), or None where every op takes the Python path."""
 
     def __init__(self, device: str, kind: str, timeout: float) -> None:
         self.device = device

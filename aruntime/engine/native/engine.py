@@ -195,7 +195,9 @@ class NativeEngine(Engine):
         self._joined = False
         self._high: NativeEngine | None = None  # the engine this one lets go first: kept alive as long as this one
         self.signal.retire = self.retire
-        self.fast_submit = submit.load(lib, NativeEngine)
+        self.fast = submit.load(lib, NativeEngine)
+        failures = eng + lib.ar_engine_field(1)
+        self._fast_state = None if self.fast is None else self.fast.state(self.signal.ptr, eng, failures)
 
     def __del__(self) -> None:
         if getattr(self, "_joined", False):

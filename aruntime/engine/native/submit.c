@@ -41,6 +41,8 @@ static submit_fn g_submit;
 static uint64_t g_held;
 static PyTypeObject *g_op_type, *g_native_type, *g_entry_type;
 static PyObject *g_nothing, *g_native_copies, *g_op_ids, *g_protect, *g_wait_kind;
+static PyTypeObject *g_buffer_type;
+static PyObject *g_recorder, *g_dispatch, *g_zeroed, *g_typed;
 
 /* offsets of the Op's slots */
 enum { S_CELL, S_CMDS, S_DEPS, S_ENGINE, S_ERROR, S_GATE, S_ID, S_INPUTS, S_KEEP, S_LATER, S_NAME, S_OBSERVED,
@@ -60,7 +62,30 @@ static void set_slot(PyObject *op, int s, PyObject *value) {
 
 static PyObject *s_log, *s_offset, *s_nbytes, *s_entries, *s_signal, *s_ptr, *s_timeout, *s_closed, *s_lock,
     *s_inflight, *s_retire, *s_done, *s_dispatched, *s_address, *s_python, *s_thread, *s_python_runs,
-    *s_check_open, *s_acquire, *s_release, *s_append, *s_failures, *s_failures_seen, *s_failed;
+    *s_check_open, *s_acquire, *s_release, *s_append, *s_failures_seen, *s_failed, *s_state, *s_open,
+    *s_enabled, *s_device, *s_plan, *s_outs, *s_name, *s_compute, *s_copy, *s_base, *s_handle, *s_generation,
+    *s_owner, *s_dtype, *s_copy_fn, *s_inline, *s_fast_state;
+
+/* ---- engines: what never changes while a native engine lives, in a capsule it holds (its `_fast_state`) ---- */
+
+typedef struct {
+  uint64_t *signal;   /* its signal's value */
+  void *core;         /* the core's engine */
+  uint64_t *failures; /* the count of failures the core logged */
+} engine_state;
+
+#define STATE_NAME "aruntime.engine.native.submit.state"
+
+static void free_state(PyObject *capsule) { PyMem_Free(PyCapsule_GetPointer(capsule, STATE_NAME)); }
+
+/* A native engine's state; NULL with an error set where it has none. */
+static engine_state *state_of(PyObject *engine) {
+  PyObject *capsule = PyObject_GetAttr(engine, s_fast_state);
+  if (!capsule) return NULL;
+  engine_state *st = PyCapsule_GetPointer(capsule, STATE_NAME); /* alive while the engine holds it */
+  Py_DECREF(capsule);
+  return st;
+}
 
 /* ---- ops --------------------------------------------------------------------------------------------- */
 
@@ -72,25 +97,20 @@ static uint64_t op_value(PyObject *op) { /* its value slot, an int below 2**64 *
 /* The native signal value of a native engine (its signal's ptr), or -1 with no error set for another engine. */
 static int signal_value(PyObject *engine, uint64_t *out) {
   if (Py_TYPE(engine) != g_native_type) return -1;
-  PyObject *sig = PyObject_GetAttr(engine, s_signal);
-  if (!sig) return -2;
-  PyObject *ptr = PyObject_GetAttr(sig, s_ptr);
-  Py_DECREF(sig);
-  if (!ptr) return -2;
-  uint64_t *p = (uint64_t *)PyLong_AsVoidPtr(ptr);
-  Py_DECREF(ptr);
-  if (!p) return PyErr_Occurred() ? -2 : -1;
-  *out = __atomic_load_n(p, __ATOMIC_ACQUIRE);
+  engine_state *st = state_of(engine);
+  if (!st) return -2;
+  *out = __atomic_load_n(st->signal, __ATOMIC_ACQUIRE);
   return 0;
 }
 
 /* Whether native `engine` has no failure that Python has not set on its op yet (NativeEngine.retire): the core
  * logs a failure before the op's value is reached, so a reached op of such an engine did not fail. 1, 0, -1. */
 static int failures_settled(PyObject *engine) {
-  PyObject *failures = PyObject_GetAttr(engine, s_failures), *seen = NULL, *failed = NULL;
+  engine_state *st = state_of(engine);
+  PyObject *seen = NULL, *failed = NULL;
   int rc = -1;
-  if (!failures || !PyMemoryView_Check(failures)) goto out;
-  uint64_t count = __atomic_load_n((uint64_t *)PyMemoryView_GET_BUFFER(failures)->buf, __ATOMIC_ACQUIRE);
+  if (!st) return -1;
+  uint64_t count = __atomic_load_n(st->failures, __ATOMIC_ACQUIRE);
   seen = PyObject_GetAttr(engine, s_failures_seen);
   failed = seen ? PyObject_GetAttr(engine, s_failed) : NULL;
   if (!failed) goto out;
@@ -101,7 +121,6 @@ out:
   if (rc < 0 && !PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "a native engine's failure log is unreadable");
   Py_XDECREF(failed);
   Py_XDECREF(seen);
-  Py_XDECREF(failures);
   return rc;
 }
 
@@ -425,10 +444,8 @@ static int push(PyObject *engine, PyObject *op, PyObject *body, ar_cmd *work, Py
   set_slot(op, S_ENGINE, engine);
   set_slot(op, S_CMDS, cmds);
   if (PyList_GET_SIZE(deps)) set_slot(op, S_DEPS, deps);
-  PyObject *address = PyObject_GetAttr(engine, s_address);
-  void *eng = address ? PyLong_AsVoidPtr(address) : NULL;
-  Py_XDECREF(address);
-  uint64_t value = eng ? g_submit(eng, recs, (uint32_t)n) : 0;
+  engine_state *st = state_of(engine);
+  uint64_t value = st ? g_submit(st->core, recs, (uint32_t)n) : 0;
   if (!value) {
     if (!PyErr_Occurred()) {
       PyErr_Format(PyExc_MemoryError, "%U: no memory for the commands of its queue", SLOT(op, S_NAME));
@@ -480,13 +497,9 @@ static int engine_closed(PyObject *engine) {
   return truth;
 }
 
-static PyObject *submit(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  (void)self;
-  if (nargs != 7) {
-    PyErr_SetString(PyExc_TypeError, "submit(engine, name, body, reads, writes, keep, result)");
-    return NULL;
-  }
-  PyObject *engine = args[0], *name = args[1], *body = args[2], *reads = args[3], *writes = args[4];
+/* The op of `body` (one command) submitted to `engine`; None (new reference) where Python must take it. */
+static PyObject *do_submit(PyObject *engine, PyObject *name, PyObject *body, PyObject *reads, PyObject *writes,
+                           PyObject *keep, PyObject *result) {
   if (Py_TYPE(engine) != g_native_type || !PyList_Check(body) || PyList_GET_SIZE(body) != 1 ||
       !PyTuple_Check(reads) || !PyTuple_Check(writes))
     Py_RETURN_NONE;
@@ -504,7 +517,7 @@ static PyObject *submit(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_DECREF(r);
     Py_RETURN_NONE;
   }
-  PyObject *op = new_op(name, args[5], args[6]);
+  PyObject *op = new_op(name, keep, result);
   if (!op) return NULL;
   PyObject *deps = PyList_New(0), *inputs = PyList_New(0);
   if (!deps || !inputs) goto fail;
@@ -556,15 +569,449 @@ fail:
   return NULL;
 }
 
+static PyObject *submit(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  (void)self;
+  if (nargs != 7) {
+    PyErr_SetString(PyExc_TypeError, "submit(engine, name, body, reads, writes, keep, result)");
+    return NULL;
+  }
+  return do_submit(args[0], args[1], args[2], args[3], args[4], args[5], args[6]);
+}
+
+/* ---- the device's op methods: BaseDevice.launch, copyin and copyout for the common call ---------------- */
+
+/* Whether `dev` takes ops on this path: open, no profile recording. 1, 0 (the Python path), -1. */
+static int device_ready(PyObject *dev) {
+  PyObject *state = PyObject_GetAttr(dev, s_state);
+  if (!state) return -1;
+  int open = state == s_open || (PyUnicode_Check(state) && PyUnicode_Compare(state, s_open) == 0);
+  Py_DECREF(state);
+  if (!open) return 0;
+  PyObject *enabled = PyObject_GetAttr(g_recorder, s_enabled);
+  if (!enabled) return -1;
+  int recording = PyObject_IsTrue(enabled);
+  Py_DECREF(enabled);
+  return recording < 0 ? -1 : !recording;
+}
+
+static int same(PyObject *a, PyObject *b) { /* a == b for str or int objects that the caller compares */
+  if (a == b) return 1;
+  int eq = PyObject_RichCompareBool(a, b, Py_EQ);
+  if (eq < 0) PyErr_Clear();
+  return eq > 0;
+}
+
+/* BaseDevice._check for a buffer of `dev` (named `devname`) on this path: 1 and its handle (new reference), or 0
+ * where Python must look (not a Buffer, another device's, unallocated, freed, a view without its handle yet, a
+ * closed owner: Python raises the error that fits or allocates the view's handle). -1 on error. */
+static int buffer_handle(PyObject *dev, PyObject *devname, PyObject *buf, PyObject **handle) {
+  *handle = NULL;
+  if (Py_TYPE(buf) != g_buffer_type) return 0;
+  PyObject *device = PyObject_GetAttr(buf, s_device), *base = NULL, *owner = NULL;
+  int rc = -1;
+  if (!device) return -1;
+  if (!same(device, devname)) {
+    rc = 0;
+    goto out;
+  }
+  base = PyObject_GetAttr(buf, s_base);
+  *handle = base ? PyObject_GetAttr(buf, s_handle) : NULL;
+  if (!*handle) goto out;
+  rc = 0;
+  if (*handle == Py_None) goto out;
+  PyObject *root = base == Py_None ? buf : base;
+  if (root != buf) { /* a view: of the root's present allocation */
+    PyObject *root_handle = PyObject_GetAttr(root, s_handle);
+    PyObject *g = root_handle ? PyObject_GetAttr(buf, s_generation) : NULL;
+    PyObject *rg = g ? PyObject_GetAttr(root, s_generation) : NULL;
+    int ok = rg && root_handle != Py_None && same(g, rg);
+    Py_XDECREF(rg);
+    Py_XDECREF(g);
+    Py_XDECREF(root_handle);
+    if (PyErr_Occurred()) rc = -1;
+    if (!ok) goto out;
+  }
+  owner = PyObject_GetAttr(root, s_owner);
+  if (!owner) {
+    rc = -1;
+    goto out;
+  }
+  if (owner == dev || owner == Py_None) rc = 1;
+out:
+  if (rc != 1) Py_CLEAR(*handle);
+  Py_XDECREF(owner);
+  Py_XDECREF(base);
+  Py_DECREF(device);
+  return rc;
+}
+
+/* Submit as BaseDevice._submit does once its op is made here: hand on with dispatch_when_ready an op whose
+ * dependency the core could not take. Steals nothing; returns the op, None (the Python path) or NULL. */
+static PyObject *submit_op(PyObject *engine, PyObject *name, PyObject *body, PyObject *reads, PyObject *writes,
+                           PyObject *keep, PyObject *result) {
+  PyObject *op = do_submit(engine, name, body, reads, writes, keep, result);
+  if (!op || op == Py_None || SLOT(op, S_ENGINE) != Py_None) return op;
+  PyObject *r = PyObject_CallFunction(g_dispatch, "[(OOO)]O", engine, body, op, Py_False);
+  if (!r) {
+    Py_DECREF(op);
+    return NULL;
+  }
+  Py_DECREF(r);
+  return op;
+}
+
+/* The kernel's packed arguments per its plan (a byte pair per parameter: kind p/f/i/u, bits), as
+ * CPUProgram.bind packs them: 1 and a new bytes object, 0 where Python must check (a count or a value it would
+ * refuse, a scalar that is not a plain int or float), -1 on error. */
+static int pack_args(PyObject *kinds, PyObject *const *handles, Py_ssize_t nbufs, PyObject *vals, PyObject **out) {
+  *out = NULL;
+  Py_ssize_t nparams = PyBytes_GET_SIZE(kinds) / 2, bi = 0, vi = 0;
+  Py_ssize_t nvals = PySequence_Fast_GET_SIZE(vals);
+  PyObject **items = PySequence_Fast_ITEMS(vals);
+  const unsigned char *plan = (const unsigned char *)PyBytes_AS_STRING(kinds);
+  PyObject *bytes = PyBytes_FromStringAndSize(NULL, nparams * 8);
+  if (!bytes) return -1;
+  unsigned char *word = (unsigned char *)PyBytes_AS_STRING(bytes);
+  for (Py_ssize_t i = 0; i < nparams; i++, word += 8) {
+    int kind = plan[2 * i], bits = plan[2 * i + 1];
+    if (kind == 'p') {
+      if (bi == nbufs || !PyLong_CheckExact(handles[bi])) goto python;
+      uint64_t address = PyLong_AsUnsignedLongLong(handles[bi++]);
+      if (address == (uint64_t)-1 && PyErr_Occurred()) goto python;
+      memcpy(word, &address, 8);
+      continue;
+    }
+    if (vi == nvals) goto python;
+    PyObject *val = items[vi++];
+    if (PyFloat_CheckExact(val)) {
+      if (kind != 'f') goto python;
+      double d = PyFloat_AS_DOUBLE(val);
+      memcpy(word, &d, 8);
+      continue;
+    }
+    if (!PyLong_Check(val)) goto python; /* a numpy scalar, a wrong type: Python converts or refuses */
+    int overflow;
+    long long v = PyLong_AsLongLongAndOverflow(val, &overflow);
+    if (overflow || (v == -1 && PyErr_Occurred())) goto python; /* beyond int64: refused there */
+    if (kind == 'f') {
+      double d = (double)v;
+      memcpy(word, &d, 8);
+      continue;
+    }
+    if (kind == 'i' ? (bits < 64 && (v < -(1LL << (bits - 1)) || v >= (1LL << (bits - 1))))
+                    : (v < 0 || (bits < 64 && v >= (1LL << bits))))
+      goto python;
+    memcpy(word, &v, 8);
+  }
+  if (bi != nbufs || vi != nvals) goto python;
+  *out = bytes;
+  return 1;
+python:
+  PyErr_Clear();
+  Py_DECREF(bytes);
+  return 0;
+}
+
+/* launch(dev, prog, bufs, vals, outs, hold, window, priority): BaseDevice.launch's op, or None for the Python path
+ * (another queue or priority, a hold or a window, `outs` given, a program without a plan, any check to make). */
+static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  (void)self;
+  if (nargs != 8) {
+    PyErr_SetString(PyExc_TypeError, "launch(dev, prog, bufs, vals, outs, hold, window, priority)");
+    return NULL;
+  }
+  PyObject *dev = args[0], *prog = args[1], *bufs = args[2], *vals = args[3];
+  if (args[4] != Py_None || args[5] != Py_False || args[6] != Py_None || !PyLong_CheckExact(args[7]) ||
+      PyLong_AsLong(args[7]) != 0 || !PyTuple_Check(bufs) || !(PyTuple_Check(vals) || PyList_Check(vals)))
+    Py_RETURN_NONE;
+  int ready = device_ready(dev);
+  if (ready <= 0) return ready < 0 ? NULL : Py_NewRef(Py_None);
+  PyObject *owner = PyObject_GetAttr(prog, s_device), *plan = NULL, *devname = NULL, *engine = NULL;
+  PyObject *outs = NULL, *reads = NULL, *writes = NULL, *body = NULL, *name = NULL, *packed = NULL, *result = NULL;
+  PyObject *handles[16];
+  Py_ssize_t nbufs = PyTuple_GET_SIZE(bufs), nh = 0;
+  if (!owner) { /* not a program: Python says so */
+    PyErr_Clear();
+    Py_RETURN_NONE;
+  }
+  if (owner != dev || nbufs > 16) goto python;
+  plan = PyObject_GetAttr(prog, s_plan);
+  if (!plan || !PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) != 2) goto python; /* (the bound callable, kinds or None) */
+  PyObject *fn = PyTuple_GET_ITEM(plan, 0), *kinds = PyTuple_GET_ITEM(plan, 1);
+  devname = PyObject_GetAttr(dev, s_name);
+  engine = devname ? PyObject_GetAttr(dev, s_compute) : NULL;
+  outs = engine ? PyObject_GetAttr(prog, s_outs) : NULL;
+  name = outs ? PyObject_GetAttr(prog, s_name) : NULL;
+  if (!name) goto error;
+  for (; nh < nbufs; nh++) {
+    int ok = buffer_handle(dev, devname, PyTuple_GET_ITEM(bufs, nh), &handles[nh]);
+    if (ok <= 0) {
+      if (ok < 0) goto error;
+      goto python;
+    }
+  }
+  /* the buffers it reads and those it writes: every one, or the read-only ones in order and `outs` sorted */
+  if (outs == Py_None) {
+    reads = PyTuple_New(0);
+    writes = Py_NewRef(bufs);
+  } else {
+    if (!PyTuple_Check(outs)) goto python;
+    uint32_t written = 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(outs); i++) {
+      long index = PyLong_AsLong(PyTuple_GET_ITEM(outs, i));
+      if (index < 0 || index >= nbufs) goto python; /* out of range (or an error): Python's message */
+      written |= 1u << index;
+    }
+    Py_ssize_t nw = __builtin_popcount(written);
+    reads = PyTuple_New(nbufs - nw);
+    writes = reads ? PyTuple_New(nw) : NULL;
+    if (!writes) goto error;
+    for (Py_ssize_t i = 0, r = 0, w = 0; i < nbufs; i++) {
+      PyObject *buf = Py_NewRef(PyTuple_GET_ITEM(bufs, i));
+      if (written & (1u << i)) PyTuple_SET_ITEM(writes, w++, buf);
+      else PyTuple_SET_ITEM(reads, r++, buf);
+    }
+  }
+  if (!reads || !writes) goto error;
+  if (kinds == Py_None) { /* a program that takes any buffers and no scalars, and is called with no arguments */
+    if (PySequence_Fast_GET_SIZE(vals)) goto python;
+    body = Py_BuildValue("[(iOO())]", C_EXEC, name, fn);
+  } else {
+    if (!PyBytes_Check(kinds)) goto python;
+    int ok = pack_args(kinds, handles, nbufs, vals, &packed);
+    if (ok <= 0) {
+      if (ok < 0) goto error;
+      goto python;
+    }
+    body = Py_BuildValue("[(iOO(OK))]", C_EXEC, name, fn, packed,
+                         (unsigned long long)(uintptr_t)PyBytes_AS_STRING(packed));
+  }
+  if (!body) goto error;
+  result = submit_op(engine, name, body, reads, writes, bufs, Py_None);
+  goto out;
+python:
+  PyErr_Clear();
+  result = Py_NewRef(Py_None);
+  goto out;
+error:
+  result = NULL;
+out:
+  for (Py_ssize_t i = 0; i < nh; i++) Py_DECREF(handles[i]);
+  Py_XDECREF(packed);
+  Py_XDECREF(body);
+  Py_XDECREF(writes);
+  Py_XDECREF(reads);
+  Py_XDECREF(name);
+  Py_XDECREF(outs);
+  Py_XDECREF(engine);
+  Py_XDECREF(devname);
+  Py_XDECREF(plan);
+  Py_DECREF(owner);
+  return result;
+}
+
+/* The memory of `data` for a copy, as aruntime.memory.pin holds it: 1 with (holder, address, nbytes), 0 where
+ * pin must look (empty, not C-contiguous, read-only for a destination, a format that is not one plain number),
+ * -1 on error. */
+static int pin_plain(PyObject *data, int writable, PyObject **holder, uint64_t *address, Py_ssize_t *nbytes) {
+  *holder = NULL;
+  if (PyBytes_CheckExact(data) && !writable) {
+    if (!PyBytes_GET_SIZE(data)) return 0;
+    *holder = Py_NewRef(data);
+    *address = (uint64_t)(uintptr_t)PyBytes_AS_STRING(data);
+    *nbytes = PyBytes_GET_SIZE(data);
+    return 1;
+  }
+  if (!PyObject_CheckBuffer(data)) return 0;
+  PyObject *view = PyMemoryView_FromObject(data);
+  if (!view) {
+    PyErr_Clear();
+    return 0;
+  }
+  Py_buffer *b = PyMemoryView_GET_BUFFER(view);
+  const char *f = b->format ? b->format : "B";
+  if (*f == '@' || *f == '=' || *f == '<' || *f == '>' || *f == '!') f++;
+  int plain = f[0] && !f[1] && strchr("bBhHiIlLqQnNefdc?", f[0]);
+  if (!plain || b->len <= 0 || (writable && b->readonly) || !PyBuffer_IsContiguous(b, 'C')) {
+    Py_DECREF(view);
+    return 0;
+  }
+  *holder = view;
+  *address = (uint64_t)(uintptr_t)b->buf;
+  *nbytes = b->len;
+  return 1;
+}
+
+/* AccessLog.conflicts_on: whether an access to `buf` would wait for an unfinished op of `engine`. 1, 0, -1. */
+static int conflicts_on(PyObject *buf, PyObject *engine, int write) {
+  PyObject *log = PyObject_GetAttr(buf, s_log);
+  PyObject *entries = log ? PyObject_GetAttr(log, s_entries) : NULL;
+  PyObject *off = entries ? PyObject_GetAttr(buf, s_offset) : NULL;
+  PyObject *size = off ? PyObject_GetAttr(buf, s_nbytes) : NULL;
+  int rc = -1;
+  if (!size) goto out;
+  if (!PyList_Check(entries)) {
+    PyErr_SetString(PyExc_TypeError, "a hazard log's entries must be a list");
+    goto out;
+  }
+  long long start = PyLong_AsLongLong(off), end = start + PyLong_AsLongLong(size);
+  if (PyErr_Occurred()) goto out;
+  rc = 0;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(entries) && !rc; i++) {
+    PyObject *entry = PyList_GET_ITEM(entries, i), *other = PyTuple_GET_ITEM(entry, 3);
+    long long s = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 0)), e = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 1));
+    if (PyErr_Occurred()) {
+      rc = -1;
+      break;
+    }
+    int w = PyTuple_GET_ITEM(entry, 2) == Py_True;
+    if (SLOT(other, S_ENGINE) == engine && (write || w) && s < end && start < e) {
+      int done = op_done(other);
+      rc = done < 0 ? -1 : !done;
+    }
+  }
+out:
+  Py_XDECREF(size);
+  Py_XDECREF(off);
+  Py_XDECREF(entries);
+  Py_XDECREF(log);
+  return rc;
+}
+
+/* copy(dev, buf, data, into, hold, window, priority): BaseDevice.copyin's op (data given) or copyout's (data None:
+ * into `into`, or a new result when it is None), or None for the Python path. */
+static PyObject *copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  (void)self;
+  if (nargs != 7) {
+    PyErr_SetString(PyExc_TypeError, "copy(dev, buf, data, into, hold, window, priority)");
+    return NULL;
+  }
+  PyObject *dev = args[0], *buf = args[1], *data = args[2], *into = args[3];
+  int out_copy = data == Py_None;
+  if (args[4] != Py_False || args[5] != Py_None || !PyLong_CheckExact(args[6]) || PyLong_AsLong(args[6]) != 0)
+    Py_RETURN_NONE;
+  int ready = device_ready(dev);
+  if (ready <= 0) return ready < 0 ? NULL : Py_NewRef(Py_None);
+  PyObject *devname = PyObject_GetAttr(dev, s_name), *handle = NULL, *holder = NULL, *dest = NULL, *size = NULL;
+  PyObject *engine = NULL, *name = NULL, *body = NULL, *fn = NULL, *result = NULL, *bufs = NULL, *keep = NULL;
+  if (!devname) return NULL;
+  int ok = buffer_handle(dev, devname, buf, &handle);
+  if (ok <= 0) goto checked;
+  size = PyObject_GetAttr(buf, s_nbytes);
+  Py_ssize_t want = size ? PyLong_AsSsize_t(size) : -1;
+  if (want < 0) {
+    ok = -1;
+    goto checked;
+  }
+  if (out_copy && into == Py_None) { /* typed(zeroed(nbytes), buf.dtype), as copyout makes it */
+    PyObject *dtype = PyObject_GetAttr(buf, s_dtype);
+    PyObject *fresh = dtype ? PyObject_CallOneArg(g_zeroed, size) : NULL;
+    dest = fresh ? PyObject_CallFunctionObjArgs(g_typed, fresh, dtype, NULL) : NULL;
+    Py_XDECREF(fresh);
+    Py_XDECREF(dtype);
+    if (!dest) {
+      ok = -1;
+      goto checked;
+    }
+  } else if (out_copy) {
+    dest = Py_NewRef(into);
+  }
+  uint64_t address;
+  Py_ssize_t nbytes;
+  ok = pin_plain(out_copy ? dest : data, out_copy, &holder, &address, &nbytes);
+  if (ok <= 0) goto checked;
+  if (nbytes != want) { /* Python's error names both sizes */
+    ok = 0;
+    goto checked;
+  }
+  fn = PyObject_GetAttr(dev, s_copy_fn);
+  PyObject *limit = fn ? PyObject_GetAttr(dev, s_inline) : NULL;
+  long long inline_max = limit ? PyLong_AsLongLong(limit) : -1;
+  Py_XDECREF(limit);
+  if (inline_max == -1 && PyErr_Occurred()) {
+    ok = -1;
+    goto checked;
+  }
+  /* BaseDevice._copy_engine: a small copy that must wait for a kernel anyway runs after it on the compute queue */
+  engine = PyObject_GetAttr(dev, s_compute);
+  ok = engine ? 1 : -1;
+  if (engine && nbytes <= inline_max) ok = conflicts_on(buf, engine, !out_copy) ? 1 : 2;
+  else ok = 2;
+  if (ok == 2) {
+    Py_XSETREF(engine, PyObject_GetAttr(dev, s_copy));
+    ok = engine ? 1 : -1;
+  }
+  if (PyErr_Occurred()) ok = -1;
+  if (ok <= 0) goto checked;
+  name = PyUnicode_FromFormat(out_copy ? "copyout %zd B" : "copyin %zd B", nbytes);
+  if (!name) {
+    ok = -1;
+    goto checked;
+  }
+  if (out_copy)
+    body = Py_BuildValue("[(iOOKOn)]", C_COPY, name, fn, (unsigned long long)address, handle, nbytes);
+  else
+    body = Py_BuildValue("[(iOOOKn)]", C_COPY, name, fn, handle, (unsigned long long)address, nbytes);
+  bufs = body ? PyTuple_Pack(1, buf) : NULL;
+  keep = bufs ? PyTuple_Pack(2, holder, buf) : NULL;
+  if (!keep) {
+    ok = -1;
+    goto checked;
+  }
+  PyObject *empty = PyTuple_New(0);
+  if (empty) {
+    result = out_copy ? submit_op(engine, name, body, bufs, empty, keep, dest)
+                      : submit_op(engine, name, body, empty, bufs, keep, Py_None);
+    Py_DECREF(empty);
+  }
+checked:
+  if (ok == 0) {
+    PyErr_Clear();
+    result = Py_NewRef(Py_None);
+  }
+  Py_XDECREF(keep);
+  Py_XDECREF(bufs);
+  Py_XDECREF(body);
+  Py_XDECREF(name);
+  Py_XDECREF(engine);
+  Py_XDECREF(fn);
+  Py_XDECREF(holder);
+  Py_XDECREF(dest);
+  Py_XDECREF(size);
+  Py_XDECREF(handle);
+  Py_DECREF(devname);
+  return result;
+}
+
+static PyObject *state(PyObject *self, PyObject *args) {
+  (void)self;
+  unsigned long long signal, core, failures;
+  if (!PyArg_ParseTuple(args, "KKK", &signal, &core, &failures)) return NULL;
+  if (!signal || !core || !failures) {
+    PyErr_SetString(PyExc_ValueError, "state: a native engine's addresses expected");
+    return NULL;
+  }
+  engine_state *st = PyMem_Malloc(sizeof *st);
+  if (!st) return PyErr_NoMemory();
+  st->signal = (uint64_t *)(uintptr_t)signal;
+  st->core = (void *)(uintptr_t)core;
+  st->failures = (uint64_t *)(uintptr_t)failures;
+  PyObject *capsule = PyCapsule_New(st, STATE_NAME, free_state);
+  if (!capsule) PyMem_Free(st);
+  return capsule;
+}
+
 static PyObject *init(PyObject *self, PyObject *args) {
   (void)self;
   PyObject *op_type, *native_type, *entry_type, *nothing, *native_copies, *op_ids, *protect, *wait_kind;
+  PyObject *buffer_type, *recorder, *dispatch, *zeroed, *typed;
   unsigned long long submit_address, held;
-  if (!PyArg_ParseTuple(args, "KKOOOOOOOO", &submit_address, &held, &op_type, &native_type, &entry_type, &nothing,
-                        &native_copies, &op_ids, &protect, &wait_kind))
+  if (!PyArg_ParseTuple(args, "KKOOOOOOOOOOOOO", &submit_address, &held, &op_type, &native_type, &entry_type,
+                        &nothing, &native_copies, &op_ids, &protect, &wait_kind, &buffer_type, &recorder, &dispatch,
+                        &zeroed, &typed))
     return NULL;
   if (!PyType_Check(op_type) || !PyType_Check(native_type) || !PyType_Check(entry_type) || !PyDict_Check(nothing) ||
-      !PyDict_Check(native_copies) || !submit_address) {
+      !PyDict_Check(native_copies) || !PyType_Check(buffer_type) || !submit_address) {
     PyErr_SetString(PyExc_TypeError, "init: types, dicts and the address of ar_submit expected");
     return NULL;
   }
@@ -589,14 +1036,25 @@ static PyObject *init(PyObject *self, PyObject *args) {
   g_op_ids = Py_NewRef(op_ids);
   g_protect = Py_NewRef(protect);
   g_wait_kind = Py_NewRef(wait_kind);
+  g_buffer_type = (PyTypeObject *)Py_NewRef(buffer_type);
+  g_recorder = Py_NewRef(recorder);
+  g_dispatch = Py_NewRef(dispatch);
+  g_zeroed = Py_NewRef(zeroed);
+  g_typed = Py_NewRef(typed);
   Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"submit", (PyCFunction)(void (*)(void))submit, METH_FASTCALL,
      "submit(engine, name, body, reads, writes, keep, result): the op, or None for the Python path"},
+    {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL,
+     "launch(dev, prog, bufs, vals, outs, hold, window, priority): the op, or None for the Python path"},
+    {"copy", (PyCFunction)(void (*)(void))copy, METH_FASTCALL,
+     "copy(dev, buf, data, into, hold, window, priority): a copy-in (data) or copy-out's op, or None"},
+    {"state", state, METH_VARARGS,
+     "state(signal address, core engine address, failures address): a native engine's `_fast_state`"},
     {"init", init, METH_VARARGS, "init(ar_submit address, HELD, Op, NativeEngine, Entry, nothing, copies, ids, "
-                                 "protect, WAIT)"},
+                                 "protect, WAIT, Buffer, recorder, dispatch_when_ready, zeroed, typed)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -613,7 +1071,12 @@ PyMODINIT_FUNC PyInit__submit(void) {
       {&s_dispatched, "dispatched"}, {&s_address, "address"}, {&s_python, "_python"}, {&s_thread, "_thread"},
       {&s_python_runs, "_python_runs"}, {&s_check_open, "check_open"}, {&s_acquire, "acquire"},
       {&s_release, "release"},  {&s_append, "append"},
-      {&s_failures, "failures"}, {&s_failures_seen, "failures_seen"}, {&s_failed, "_failed"},
+      {&s_failures_seen, "failures_seen"}, {&s_failed, "_failed"},
+      {&s_state, "state"},      {&s_open, "open"},         {&s_enabled, "enabled"},   {&s_device, "device"},
+      {&s_plan, "_plan"},       {&s_outs, "outs"},         {&s_name, "name"},         {&s_compute, "compute"},
+      {&s_copy, "copy"},        {&s_base, "_base"},        {&s_handle, "_handle"},    {&s_generation, "_generation"},
+      {&s_owner, "_owner"},     {&s_dtype, "dtype"},       {&s_copy_fn, "copy_fn"},   {&s_inline, "inline_copy_max"},
+      {&s_fast_state, "_fast_state"},
   };
   for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
     *names[i].where = PyUnicode_InternFromString(names[i].text);

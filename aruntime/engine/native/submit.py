@@ -1,10 +1,15 @@
 """The eager submission path in C: ``submit.c``, a CPython extension module built like the core.
 
-Submitting an op in Python costs several microseconds on the event loop's thread (the op object, the hazard
-logs, packing the records, a ctypes call). ``submit.c`` does the same for the common op (one kernel or copy that
-the worker runs without Python, submitted with no window, no hold and no profile recording) in one call from
-:meth:`BaseDevice._submit <aruntime.device.base.BaseDevice._submit>`, with the same rules; every other op, and
-every op where the extension cannot be built, takes the Python path, which stays the reference.
+Submitting an op in Python costs several microseconds on the event loop's thread (the checks, the op object,
+the hazard logs, packing the arguments and records, a ctypes call). ``submit.c`` does the same for the common op
+(one kernel or copy that the worker runs without Python, submitted with no window, no hold, normal priority and
+no profile recording) in one call, with the same rules: ``launch`` and ``copy`` from
+:meth:`BaseDevice.launch <aruntime.device.base.BaseDevice.launch>`, ``copyin`` and ``copyout`` (a kernel whose
+program has a launch plan, see :attr:`Program._plan <aruntime.device.program.Program>`; plain buffers of numbers),
+``submit`` from :meth:`BaseDevice._submit <aruntime.device.base.BaseDevice._submit>` for the other op methods.
+Anything else (an argument to check and refuse, a view not yet bound, a program without a plan) returns None
+before any side effect and takes the Python path, which stays the reference; so does every op where the
+extension cannot be built.
 
 It is built at first use with the system C compiler against the running interpreter's headers (``Python.h``;
 on Debian and Ubuntu the ``python3-dev`` package), through the compile cache like the core, under a key that
@@ -18,7 +23,6 @@ import ctypes
 import sys
 import sysconfig
 import threading
-from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
@@ -26,13 +30,14 @@ from aruntime.compile import Compiler, cc
 from aruntime.helpers import getenv
 
 FLAGS = ("-O2", "-fPIC", "-shared")
-Submit = Callable[..., Any]
-"""``submit(engine, name, body, reads, writes, keep, result)``: the op, or None where the Python path must take it
-(see ``submit.c``)."""
+Fast = Any
+"""The built module: ``submit(engine, name, body, reads, writes, keep, result)``, ``launch(dev, prog, bufs, vals,
+outs, hold, window, priority)`` and ``copy(dev, buf, data, into, hold, window, priority)``, each returning the op,
+or None where the Python path must take it (see ``submit.c``)."""
 
 unavailable: str | None = None
 """Why the C submission path is not in use (None while it is, or before it was first asked for)."""
-_submit: Submit | None = None
+_module: Fast = None
 _decided = False
 _lock = threading.Lock()
 
@@ -58,24 +63,28 @@ class _ExtensionCompiler(Compiler):
         return cc.build(src, (*FLAGS, f"-I{_include()}"))
 
 
-def _build(lib: ctypes.CDLL, native_type: type) -> Submit:
+def _build(lib: ctypes.CDLL, native_type: type) -> Fast:
+    from aruntime.engine.dispatch import dispatch_when_ready
     from aruntime.engine.kernel import _NATIVE_COPIES, _NOTHING, Entry
     from aruntime.engine.ops import HELD, WAIT, Op, protect
-    from aruntime.events import op_ids
+    from aruntime.events import op_ids, recorder
+    from aruntime.memory import Buffer, typed, zeroed
 
     src = resources.files(__package__).joinpath("submit.c").read_text()
     name = f"{__package__}._submit"
     module = _ExtensionCompiler().compile_cached(src, load=lambda binary: cc.load_module(binary, name))
     address = ctypes.cast(lib.ar_submit, ctypes.c_void_p).value
-    module.init(address, HELD, Op, native_type, Entry, _NOTHING, _NATIVE_COPIES, op_ids, protect, WAIT)
-    submit: Submit = module.submit
-    return submit
+    module.init(
+        address, HELD, Op, native_type, Entry, _NOTHING, _NATIVE_COPIES, op_ids, protect, WAIT,
+        Buffer, recorder, dispatch_when_ready, zeroed, typed,
+    )  # fmt: skip
+    return module
 
 
-def load(lib: ctypes.CDLL, native_type: type) -> Submit | None:
-    """The C ``submit`` for native engines of ``native_type`` over the core ``lib``, built on the first call; None
-    where it cannot be had (see :data:`unavailable`)."""
-    global _submit, _decided, unavailable
+def load(lib: ctypes.CDLL, native_type: type) -> Fast:
+    """The C submission path for native engines of ``native_type`` over the core ``lib``, built on the first call;
+    None where it cannot be had (see :data:`unavailable`)."""
+    global _module, _decided, unavailable
     if not _decided:
         with _lock:
             if not _decided:
@@ -83,8 +92,8 @@ def load(lib: ctypes.CDLL, native_type: type) -> Submit | None:
                     unavailable = "ARUNTIME_FAST_SUBMIT=0"
                 else:
                     try:
-                        _submit = _build(lib, native_type)
+                        _module = _build(lib, native_type)
                     except Exception as exc:  # no headers, no compiler, a failed build or load
                         unavailable = f"the C submission path could not be built: {exc}"
                 _decided = True
-    return _submit
+    return _module
