@@ -206,6 +206,13 @@ ROWS: list[Row] = [
         _open_with("ARUNTIME_METRICS", "2"),
     ),
     Row(
+        "env ARUNTIME_FAST_SUBMIT",
+        "`yes`",
+        ValueError,
+        "ARUNTIME_FAST_SUBMIT='yes'",
+        _open_with("ARUNTIME_FAST_SUBMIT", "yes"),
+    ),
+    Row(
         "env ARUNTIME_CPU_AFFINITY",
         "`4096`",
         ValueError,

@@ -161,9 +161,11 @@ class NativeEngine(Engine):
     reads_gates = True
 
     def __init__(self, device: str, kind: str, timeout: float, chunk: int = 8 << 20, spin_ns: int = SPIN_NS) -> None:
-        super().__init__(device, kind, timeout)
         lib = native.lib()
-        assert lib is not None and isinstance(self.signal, NativeSignal)
+        assert lib is not None
+        fast = submit.load(lib, NativeEngine)  # a bad ARUNTIME_FAST_SUBMIT refuses the engine before it makes anything
+        super().__init__(device, kind, timeout)
+        assert isinstance(self.signal, NativeSignal)
         self._lib = lib
         self.chunk = chunk
         eng = lib.ar_engine_new(self.signal.ptr, spin_ns)
@@ -195,7 +197,7 @@ class NativeEngine(Engine):
         self._joined = False
         self._high: NativeEngine | None = None  # the engine this one lets go first: kept alive as long as this one
         self.signal.retire = self.retire
-        self.fast = submit.load(lib, NativeEngine)
+        self.fast = fast
         failures = eng + lib.ar_engine_field(1)
         self._fast_state = None if self.fast is None else self.fast.state(self.signal.ptr, eng, failures)
 

@@ -13,8 +13,9 @@ extension cannot be built.
 
 It is built at first use with the system C compiler against the running interpreter's headers (``Python.h``;
 on Debian and Ubuntu the ``python3-dev`` package), through the compile cache like the core, under a key that
-names the interpreter's version and ABI. Where it cannot be built or loaded (no headers, no compiler), or with
-``ARUNTIME_FAST_SUBMIT=0``, the Python path serves every op and :data:`unavailable` says why.
+names the interpreter's version and ABI. Where it cannot be built or loaded (no headers, no compiler) the Python
+path serves every op and :data:`unavailable` says why; ``ARUNTIME_FAST_SUBMIT=0`` gives the engines opened
+while it is set the Python path.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ outs, hold, window, priority)`` and ``copy(dev, buf, data, into, hold, window, p
 or None where the Python path must take it (see ``submit.c``)."""
 
 unavailable: str | None = None
-"""Why the C submission path is not in use (None while it is, or before it was first asked for)."""
+"""Why the C submission path could not be built (None once it was, or before it was first asked for)."""
 _module: Fast = None
-_decided = False
+_built = False
 _lock = threading.Lock()
 
 
@@ -83,17 +84,16 @@ def _build(lib: ctypes.CDLL, native_type: type) -> Fast:
 
 def load(lib: ctypes.CDLL, native_type: type) -> Fast:
     """The C submission path for native engines of ``native_type`` over the core ``lib``, built on the first call;
-    None where it cannot be had (see :data:`unavailable`)."""
-    global _module, _decided, unavailable
-    if not _decided:
+    None where it cannot be had (see :data:`unavailable`) or ``ARUNTIME_FAST_SUBMIT=0`` switches it off."""
+    global _module, _built, unavailable
+    if not getenv("FAST_SUBMIT", 1, minimum=0, maximum=1):
+        return None
+    if not _built:
         with _lock:
-            if not _decided:
-                if not getenv("FAST_SUBMIT", 1, minimum=0, maximum=1):
-                    unavailable = "ARUNTIME_FAST_SUBMIT=0"
-                else:
-                    try:
-                        _module = _build(lib, native_type)
-                    except Exception as exc:  # no headers, no compiler, a failed build or load
-                        unavailable = f"the C submission path could not be built: {exc}"
-                _decided = True
+            if not _built:
+                try:
+                    _module = _build(lib, native_type)
+                except Exception as exc:  # no headers, no compiler, a failed build or load
+                    unavailable = f"the C submission path could not be built: {exc}"
+                _built = True
     return _module
