@@ -264,3 +264,45 @@ async def test_a_waiter_for_a_later_value_is_woken_after_an_earlier_one_was_take
         with anyio.fail_after(2):
             await woken.wait()
     assert fired == [5]
+
+
+@pytest.mark.anyio
+async def test_a_worker_polls_only_while_work_comes_back_soon() -> None:
+    """Fed now and then, a worker soon stops polling (it sleeps at once); fed in a burst, it polls again."""
+    from aruntime.engine.native.engine import SPIN_NS, NativeEngine
+
+    dev = Device["NULL:41"]
+    engine = dev.compute
+    assert isinstance(engine, NativeEngine)
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("a process allowed one CPU never polls (tested below)")
+    prog = await dev.compile("void kernel(void) {}")
+    assert engine.spin_ns == SPIN_NS
+    for _ in range(20):  # each gap is at least 2 ms, far longer than a poll: each halves it
+        await dev.launch(prog)
+        await anyio.sleep(0.002)
+    assert engine.spin_ns == 0
+    ops = [dev.launch(prog) for _ in range(2_000)]  # appended microseconds apart: polling pays again
+    for op in ops:
+        await op
+    assert engine.spin_ns > 0
+    await dev.aclose()
+
+
+def test_a_process_allowed_one_cpu_never_polls() -> None:
+    code = """
+import os
+os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
+import anyio
+from aruntime import Device
+async def main():
+    dev = Device["NULL"]
+    prog = await dev.compile("void kernel(void) {}")
+    for _ in range(100):
+        await dev.launch(prog)
+    print(dev.compute.spin_ns, dev.copy.spin_ns)
+anyio.run(main)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["0", "0"]

@@ -378,7 +378,8 @@ typedef struct ar_engine {
   pthread_mutex_t lock;
   pthread_cond_t cond;
   _Atomic int sleeping;
-  int64_t spin_ns;
+  int64_t spin_ns;            /* the longest the worker polls for work before it sleeps (0: it never polls) */
+  _Atomic int64_t spin_now;   /* how long it polls now: grown while work comes soon after it ran out, else shrunk */
   int metrics; /* keep the clock-based metrics (set once, before the first submission) */
   /* failures and ranges, drained by Python */
   pthread_mutex_t log_lock;
@@ -482,10 +483,12 @@ static void yield_to_high(ar_engine *e) {
 
 static ar_cmd *next_cmd(ar_engine *e) {
   uint64_t consumed = atomic_load_explicit(&e->consumed, memory_order_relaxed);
+  int64_t start = 0;
   if (atomic_load_explicit(&e->published, memory_order_acquire) == consumed) {
-    int64_t until = now_ns() + e->spin_ns;
+    start = now_ns();
+    int64_t spin = atomic_load_explicit(&e->spin_now, memory_order_relaxed), until = start + spin;
     while (atomic_load_explicit(&e->published, memory_order_acquire) == consumed) {
-      if (now_ns() < until) { /* poll a while (a wake-up costs more), giving the CPU to any thread that wants it */
+      if (spin && now_ns() < until) { /* poll a while (a wake-up costs more), giving the CPU to any thread that wants it */
         sched_yield();
         continue;
       }
@@ -502,7 +505,13 @@ static ar_cmd *next_cmd(ar_engine *e) {
     e->head_pos = 0;
     free(old);
   }
-  return &e->head->cmds[e->head_pos];
+  ar_cmd *cmd = &e->head->cmds[e->head_pos];
+  if (start && e->spin_ns) { /* polling pays where work comes back within spin_ns of running out: poll that long
+                              * next time, else half as long (by when it was appended, not when it was seen) */
+    int64_t came = cmd->t ? cmd->t : now_ns(), spin = atomic_load_explicit(&e->spin_now, memory_order_relaxed);
+    atomic_store_explicit(&e->spin_now, came - start <= e->spin_ns ? e->spin_ns : spin / 2, memory_order_relaxed);
+  }
+  return cmd;
 }
 
 /* Hand a python command to the engine's Python thread and wait for its answer (0: it ran). */
@@ -659,6 +668,7 @@ ar_engine *ar_engine_new(ar_sig *timeline, int64_t spin_ns) {
   memset(e, 0, sizeof(*e));
   e->timeline = timeline;
   e->spin_ns = spin_ns;
+  atomic_store(&e->spin_now, spin_ns);
   e->head = e->tail = calloc(1, sizeof(chunk));
   if (!e->head) {
     free(e);
@@ -1044,6 +1054,7 @@ size_t ar_engine_field(int which) {
     case 8: return offsetof(ar_engine, queued_hist);
     case 9: return offsetof(ar_engine, run_hist);
     case 10: return offsetof(ar_engine, taken_at);
+    case 11: return offsetof(ar_engine, spin_now);
   }
   return 0;
 }

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import struct
 import threading
 from array import array
@@ -61,7 +62,17 @@ time it is appended, which the core writes)."""
 RETIRE_EVERY = 64
 """Finished ops a submission lets pile up before it retires them (awaiting or observing an op retires it at once)."""
 SPIN_NS = 20_000
-"""How long a worker that ran out of commands polls for more before it sleeps (a wake-up costs more)."""
+"""The longest a worker that ran out of commands polls for more before it sleeps (a wake-up costs more). It
+adapts: each time work comes back within this long of running out the next poll is this long again, each time it
+does not the poll halves (down to none), so a worker whose work comes in bursts polls and one fed now and then
+soon sleeps at once. A process allowed a single CPU never polls: the CPU is the submitter's."""
+
+
+def default_spin_ns() -> int:
+    """:data:`SPIN_NS` where this process may run on more than one CPU, else 0."""
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    return SPIN_NS if len(allowed) > 1 else 0
+
 
 _log = logging.getLogger("aruntime")
 _names: dict[str, int] = {}
@@ -160,7 +171,9 @@ class NativeEngine(Engine):
     pends = True
     reads_gates = True
 
-    def __init__(self, device: str, kind: str, timeout: float, chunk: int = 8 << 20, spin_ns: int = SPIN_NS) -> None:
+    def __init__(
+        self, device: str, kind: str, timeout: float, chunk: int = 8 << 20, spin_ns: int | None = None
+    ) -> None:
         lib = native.lib()
         assert lib is not None
         fast = submit.load(lib, NativeEngine)  # a bad ARUNTIME_FAST_SUBMIT refuses the engine before it makes anything
@@ -168,7 +181,7 @@ class NativeEngine(Engine):
         assert isinstance(self.signal, NativeSignal)
         self._lib = lib
         self.chunk = chunk
-        eng = lib.ar_engine_new(self.signal.ptr, spin_ns)
+        eng = lib.ar_engine_new(self.signal.ptr, default_spin_ns() if spin_ns is None else spin_ns)
         if not eng:
             raise MemoryError(f"{self.signal.name}: the native engine could not start")
         lib.ar_engine_metrics(eng, int(self.keeps_metrics))
@@ -181,6 +194,7 @@ class NativeEngine(Engine):
         self._started = _u64(eng + lib.ar_engine_field(6))
         self._busy = _u64(eng + lib.ar_engine_field(7))
         self._taken_at = _u64(eng + lib.ar_engine_field(10))
+        self._spin = _u64(eng + lib.ar_engine_field(11))
         self._queued_hist = _u64s(eng + lib.ar_engine_field(8), HIST)
         self._run_hist = _u64s(eng + lib.ar_engine_field(9), HIST)
         assert isinstance(self.ranges, NativeRangeLog)
@@ -200,6 +214,11 @@ class NativeEngine(Engine):
         self.fast = fast
         failures = eng + lib.ar_engine_field(1)
         self._fast_state = None if self.fast is None else self.fast.state(self.signal.ptr, eng, failures)
+
+    @property
+    def spin_ns(self) -> int:
+        """How long the worker polls for work now before it sleeps, in ns (see :data:`SPIN_NS`)."""
+        return int(self._spin[0])
 
     def __del__(self) -> None:
         if getattr(self, "_joined", False):
