@@ -21,7 +21,7 @@ import anyio
 import pytest
 
 from aruntime import BaseDevice, Device, DeviceError, Op, dtypes
-from aruntime.engine import NativeEngine
+from aruntime.engine import KernelError, NativeEngine
 from aruntime.engine.native import submit
 from tests.kernels import ADD_ONE, SPINS, closed_gate
 
@@ -278,3 +278,30 @@ def test_without_python_headers_the_python_path_serves_every_op() -> None:
 def test_a_bad_switch_is_refused_with_its_name() -> None:
     code = "from aruntime import Device\ntry:\n    Device['CPU']\nexcept ValueError as e:\n    print(e)\n"
     assert "ARUNTIME_FAST_SUBMIT" in _run(code, ARUNTIME_FAST_SUBMIT="2", ARUNTIME_ENGINE="native")
+
+
+STATUS = r"""
+#include <stdint.h>
+int kernel(uint8_t *b) { return b[0] == 7 ? 3 : 0; }
+"""
+"""Fails (status 3) on a buffer whose first byte is 7."""
+
+
+async def test_failures_among_many_ops_in_flight_reach_their_ops() -> None:
+    """The C path retires finished ops in batches as it submits: a kernel's failure among hundreds of ops in
+    flight is still set on its op, and only on its op."""
+    dev = Device["CPU:5"]
+    _fast(dev)
+    prog = await dev.compile(STATUS)
+    bufs = [await dev.allocate(1) for _ in range(8)]
+    for i, buf in enumerate(bufs):
+        await dev.copyin(buf, bytes([7 if i == 3 else 0]))
+    ops = [dev.launch(prog, bufs[i % 8]) for i in range(800)]
+    failed = []
+    for i, op in enumerate(ops):
+        try:
+            await op
+        except KernelError as exc:
+            assert exc.status == 3
+            failed.append(i)
+    assert failed == [i for i in range(800) if i % 8 == 3]

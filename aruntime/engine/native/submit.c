@@ -64,7 +64,7 @@ static PyObject *s_log, *s_offset, *s_nbytes, *s_entries, *s_signal, *s_ptr, *s_
     *s_inflight, *s_retire, *s_done, *s_dispatched, *s_address, *s_python, *s_thread, *s_python_runs,
     *s_check_open, *s_acquire, *s_release, *s_append, *s_failures_seen, *s_failed, *s_state, *s_open,
     *s_enabled, *s_device, *s_plan, *s_outs, *s_name, *s_compute, *s_copy, *s_base, *s_handle, *s_generation,
-    *s_owner, *s_dtype, *s_copy_fn, *s_inline, *s_fast_state;
+    *s_owner, *s_dtype, *s_copy_fn, *s_inline, *s_fast_state, *s_retire_lock, *s_popleft;
 
 /* ---- engines: what never changes while a native engine lives, in a capsule it holds (its `_fast_state`) ---- */
 
@@ -302,6 +302,77 @@ typedef struct {
   uint64_t value;
 } wait_t;
 
+/* NativeEngine.retire for the ops at the head of `inflight` that its signal has passed (`reached`, read before
+ * this is called): where no failure is left to set (the core logs one before it publishes the failed op's value)
+ * and no op has commands the Python thread runs, it clears what they hold as _retire_op does, under the same
+ * lock; anything else (and an op that takes timestamps) is NativeEngine.retire's. 0, or -1 on error. */
+static int retire_head(PyObject *engine, PyObject *inflight, uint64_t reached) {
+  int settled = failures_settled(engine);
+  if (settled < 0) return -1;
+  int plain = settled;
+  if (plain) {
+    PyObject *python = PyObject_GetAttr(engine, s_python);
+    if (!python) return -1;
+    plain = PyDict_Check(python) && PyDict_GET_SIZE(python) == 0;
+    Py_DECREF(python);
+  }
+  PyObject *lock = plain ? PyObject_GetAttr(engine, s_retire_lock) : NULL;
+  PyObject *r = lock ? PyObject_CallMethodNoArgs(lock, s_acquire) : NULL;
+  if (plain && !r) {
+    Py_XDECREF(lock);
+    return -1;
+  }
+  Py_XDECREF(r);
+  PyObject *empty = PyTuple_New(0);
+  int rc = empty ? 0 : -1;
+  while (plain && !rc) {
+    Py_ssize_t n = PyObject_Length(inflight);
+    if (n <= 0) {
+      if (n < 0) rc = -1;
+      break;
+    }
+    PyObject *head = PySequence_GetItem(inflight, 0);
+    if (!head) {
+      rc = -1;
+      break;
+    }
+    PyObject *op = PyTuple_GET_ITEM(head, 0), *keep = PyTuple_GET_ITEM(head, 1);
+    int mine = op_value(op) <= reached && (keep == Py_None || PyList_Check(keep));
+    for (Py_ssize_t i = 0; mine && keep != Py_None && i < PyList_GET_SIZE(keep); i++)
+      if (PyTuple_Check(PyList_GET_ITEM(keep, i))) plain = mine = 0; /* timestamps to fill in: Python's */
+    if (mine) {
+      PyObject *popped = PyObject_CallMethodNoArgs(inflight, s_popleft);
+      if (popped) {
+        set_slot(op, S_KEEP, Py_None);
+        set_slot(op, S_CMDS, Py_None);
+        set_slot(op, S_DEPS, empty);
+        set_slot(op, S_INPUTS, empty);
+        Py_DECREF(popped);
+      } else {
+        rc = -1;
+      }
+    }
+    Py_DECREF(head);
+    if (!mine) break;
+  }
+  if (lock) {
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyObject *released = PyObject_CallMethodNoArgs(lock, s_release);
+    if (!released) rc = -1;
+    Py_XDECREF(released);
+    if (type) PyErr_Restore(type, value, traceback);
+    Py_DECREF(lock);
+  }
+  Py_XDECREF(empty);
+  if (!rc && !plain) { /* what only Python does */
+    PyObject *res = PyObject_CallMethodNoArgs(engine, s_retire);
+    if (!res) return -1;
+    Py_DECREF(res);
+  }
+  return rc;
+}
+
 /* Hand `op` (deps and inputs recorded) to native `engine` with the wait and check records it needs.
  * 1: handed on; 0: not here (the caller finishes in Python); -1: error. Under the engine's lock. */
 static int push(PyObject *engine, PyObject *op, PyObject *body, ar_cmd *work, PyObject *deps, PyObject *inputs) {
@@ -430,11 +501,7 @@ static int push(PyObject *engine, PyObject *op, PyObject *body, ar_cmd *work, Py
     PyObject *head = PySequence_GetItem(inflight, 0);
     uint64_t reached;
     int r = head ? signal_value(engine, &reached) : -2;
-    if (r == 0 && op_value(PyTuple_GET_ITEM(head, 0)) <= reached) {
-      PyObject *res = PyObject_CallMethodNoArgs(engine, s_retire);
-      if (!res) r = -2;
-      Py_XDECREF(res);
-    }
+    if (r == 0 && op_value(PyTuple_GET_ITEM(head, 0)) <= reached && retire_head(engine, inflight, reached)) r = -2;
     Py_XDECREF(head);
     if (r == -2 || PyErr_Occurred()) {
       Py_DECREF(inflight);
@@ -1076,7 +1143,7 @@ PyMODINIT_FUNC PyInit__submit(void) {
       {&s_plan, "_plan"},       {&s_outs, "outs"},         {&s_name, "name"},         {&s_compute, "compute"},
       {&s_copy, "copy"},        {&s_base, "_base"},        {&s_handle, "_handle"},    {&s_generation, "_generation"},
       {&s_owner, "_owner"},     {&s_dtype, "dtype"},       {&s_copy_fn, "copy_fn"},   {&s_inline, "inline_copy_max"},
-      {&s_fast_state, "_fast_state"},
+      {&s_fast_state, "_fast_state"}, {&s_retire_lock, "_retire_lock"}, {&s_popleft, "popleft"},
   };
   for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
     *names[i].where = PyUnicode_InternFromString(names[i].text);
