@@ -20,7 +20,7 @@ from typing import Any
 import anyio
 import pytest
 
-from aruntime import BaseDevice, Device, DeviceError, Op, dtypes
+from aruntime import BaseDevice, Device, DeviceError, Op, Scheduler, dtypes
 from aruntime.engine import KernelError, NativeEngine
 from aruntime.engine.native import submit
 from tests.kernels import ADD_ONE, SPINS, closed_gate
@@ -43,11 +43,11 @@ def _python_path(dev: BaseDevice) -> None:
         engine.fast = None
 
 
-async def _program(dev: BaseDevice, seed: int) -> tuple[list[tuple[Any, ...]], list[bytes]]:
-    """Submit a seeded random program of eager copy-ins, kernels and copy-outs behind a closed gate that holds
-    both queues (nothing finishes while it is submitted); return each op's shape as submitted (queue, value
-    past the gate's, the indices of its dependencies and inputs, its command kinds) and the bytes the buffers
-    end with."""
+async def _program(dev: BaseDevice, seed: int, scheduled: bool = False) -> tuple[list[tuple[Any, ...]], list[bytes]]:
+    """Submit a seeded random program of copy-ins, kernels and copy-outs (straight on ``dev``, or through a
+    ``Scheduler`` with a small window) behind a closed gate that holds both queues (nothing finishes while it is
+    submitted); return each op's shape as submitted (queue, value past the gate's, the indices of its
+    dependencies and inputs, its command kinds) and the bytes the buffers end with."""
     gate, flag = await closed_gate(dev)
     add = await dev.compile(ADD_ONE, outs=(0,))
     big = dev.inline_copy_max + 4  # too big to ride on the compute queue
@@ -57,23 +57,25 @@ async def _program(dev: BaseDevice, seed: int) -> tuple[list[tuple[Any, ...]], l
     ops: list[Op] = [dev.launch(gate, started, vals=(flag.handle, SPINS)), dev.copyout(started)]
     base = {op.engine.kind: op.value for op in ops if op.engine is not None}  # values from the gate's on
     shapes: list[tuple[Any, ...]] = []
+    sched = Scheduler(window=16)
+    on: Any = await sched.__aenter__() if scheduled else dev
     for _ in range(60):
         buf = rng.choice(bufs)
         pick = rng.randrange(4)
         if pick == 0:
-            op = dev.copyin(buf, bytes([rng.randrange(256)]) * big)
+            op = on.copyin(buf, bytes([rng.randrange(256)]) * big)
         elif pick == 1:
-            op = dev.launch(add, buf, vals=(big,))
+            op = on.launch(add, buf, vals=(big,))
         elif pick == 2:
-            op = dev.copyout(buf)
+            op = on.copyout(buf)
         else:
-            op = dev.copyout(buf, into=bytearray(big))
+            op = on.copyout(buf, into=bytearray(big))
         index = {id(o): i for i, o in enumerate(ops)}
-        assert op.engine is not None
+        engine = op.engine  # None: held in the window for room
         shapes.append(
             (
-                op.engine.kind,
-                op.value - base[op.engine.kind],
+                None if engine is None else engine.kind,
+                None if engine is None else op.value - base[engine.kind],
                 sorted(index[id(d)] for d in op.deps),
                 sorted(index[id(d)] for d in op.inputs),
                 [cmd[0] for cmd in op.cmds or ()],
@@ -85,6 +87,8 @@ async def _program(dev: BaseDevice, seed: int) -> tuple[list[tuple[Any, ...]], l
     with anyio.fail_after(30):
         for op in ops:
             await op
+        if scheduled:
+            await sched.__aexit__(None, None, None)
     return shapes, [bytes(await dev.copyout(buf)) for buf in bufs]
 
 
@@ -96,6 +100,16 @@ async def test_the_c_and_python_paths_submit_alike() -> None:
     _python_path(slow)
     for seed in range(3):
         assert await _program(fast, seed) == await _program(slow, seed)
+
+
+async def test_the_c_and_python_paths_schedule_alike() -> None:
+    """The same, through a Scheduler whose window fills: ops admitted, held for another queue, or queued for
+    room alike on both paths."""
+    fast, slow = Device["CPU:5"], Device["CPU:6"]
+    _fast(fast)
+    _python_path(slow)
+    for seed in range(3):
+        assert await _program(fast, seed, scheduled=True) == await _program(slow, seed, scheduled=True)
 
 
 async def test_the_c_path_lets_go_of_what_its_ops_hold() -> None:

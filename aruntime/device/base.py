@@ -278,11 +278,9 @@ class BaseDevice(Closing, ProfileHooks):
         if self.state != "open":
             self.check_usable(name)
         fast = engine.fast
-        if fast is not None and window is None and not hold and not recorder.enabled:
-            made: Op | None = fast.submit(engine, name, body, reads, writes, keep, result)
+        if fast is not None and not hold and not recorder.enabled:
+            made: Op | None = fast.submit(engine, name, body, reads, writes, keep, result, window)
             if made is not None:
-                if made.engine is None:  # its hazards are recorded; a dependency needs the Python hand-off
-                    dispatch_when_ready([(engine, body, made)], False)
                 return made
         engine.check_open(name)  # before the hazard logs learn of an op that would never run
         op = Op(name, (), keep, result)

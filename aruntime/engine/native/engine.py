@@ -246,6 +246,9 @@ class NativeEngine(Engine):
     # ---- submission ---------------------------------------------------------------------------------
 
     def _enqueue(self, cmds: list[Command], op: Op) -> None:
+        fast = self.fast
+        if fast is not None and fast.enqueue(self, cmds, op):  # the same, in C (see submit.py)
+            return
         inflight = self._inflight
         if len(inflight) >= RETIRE_EVERY and inflight[0][0].value <= self.signal.value:
             self.retire()  # in batches: an op that is awaited or observed is retired then anyway

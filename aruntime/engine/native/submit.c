@@ -1,16 +1,20 @@
-/* The eager submission path of the native engine, as a CPython extension module (`submit`).
+/* The submission path of the native engine, as a CPython extension module (`submit.py` builds and loads it).
  *
- * submit(engine, name, body, reads, writes, keep, result) does what BaseDevice._submit, AccessLog.access,
- * dispatch_when_ready and NativeEngine.push do in Python for the common op: one kernel or copy the worker runs
- * without Python, submitted with no window, no hold and no profile recording. It makes the Op, records its
- * accesses in the buffers' hazard logs, and appends its records (a wait per other queue it depends on, a
- * dependency check when an input is unfinished, the work) to the engine's ring through the core's ar_submit.
+ * launch(...) and copy(...) do what BaseDevice.launch, copyin and copyout do, submit(...) what
+ * BaseDevice._submit does for the other op methods, and enqueue(...) what NativeEngine._enqueue does for an op
+ * handed on later (from dispatch_when_ready), for the common op: one kernel or copy the worker runs without
+ * Python, with no hold, normal priority and no profile recording, directly or through a Scheduler's window. They
+ * check the arguments, make the Op, record its accesses in the buffers' hazard logs, and append its records (a
+ * wait per other queue it depends on, a dependency check where an input is unfinished, the work, with its
+ * request's gate) to the engine's ring through the core's ar_submit; an op that must wait (a window without
+ * room, a held op whose dependency is on another queue, a dependency not handed on yet) goes to
+ * dispatch_when_ready, as in Python.
  *
- * Returns None before any side effect where the op is not such an op (the caller takes the Python path), and
- * the Op otherwise. An Op whose `engine` is still None has had its accesses recorded (its `deps` and `inputs`
- * set) but could not be handed on here (a dependency not yet handed to its queue, one on a queue of another
- * kind, a closed engine): the caller hands it on with dispatch_when_ready. Every rule is the Python one; the
- * Python code stays the reference and the fallback where this module cannot be built.
+ * Each returns None before any side effect where it cannot take the call as it stands (an argument to refuse,
+ * a view not yet bound, a program without a launch plan, a command the worker runs in Python): the caller takes
+ * the Python path, which stays the reference, with the same rules, and the fallback where this module cannot be
+ * built. Finished ops are retired here in batches where no failure is left to set (NativeEngine.retire
+ * otherwise).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -64,7 +68,7 @@ static PyObject *s_log, *s_offset, *s_nbytes, *s_entries, *s_signal, *s_ptr, *s_
     *s_inflight, *s_retire, *s_done, *s_dispatched, *s_address, *s_python, *s_thread, *s_python_runs,
     *s_check_open, *s_acquire, *s_release, *s_append, *s_failures_seen, *s_failed, *s_state, *s_open,
     *s_enabled, *s_device, *s_plan, *s_outs, *s_name, *s_compute, *s_copy, *s_base, *s_handle, *s_generation,
-    *s_owner, *s_dtype, *s_copy_fn, *s_inline, *s_fast_state, *s_retire_lock, *s_popleft;
+    *s_owner, *s_dtype, *s_copy_fn, *s_inline, *s_fast_state, *s_retire_lock, *s_popleft, *s_gate, *s_admit;
 
 /* ---- engines: what never changes while a native engine lives, in a capsule it holds (its `_fast_state`) ---- */
 
@@ -285,22 +289,6 @@ static int work_record(PyObject *cmd, ar_cmd *rec) {
   return PyErr_Occurred() ? -1 : 1;
 }
 
-static PyObject *engine_signal_ptr(PyObject *engine, PyObject **sig_out) {
-  PyObject *sig = PyObject_GetAttr(engine, s_signal);
-  if (!sig) return NULL;
-  PyObject *ptr = PyObject_GetAttr(sig, s_ptr);
-  if (!ptr) {
-    Py_DECREF(sig);
-    return NULL;
-  }
-  *sig_out = sig;
-  return ptr;
-}
-
-typedef struct {
-  PyObject *engine; /* borrowed: a dep's, alive while the dep is */
-  uint64_t value;
-} wait_t;
 
 /* NativeEngine.retire for the ops at the head of `inflight` that its signal has passed (`reached`, read before
  * this is called): where no failure is left to set (the core logs one before it publishes the failed op's value)
@@ -373,104 +361,93 @@ static int retire_head(PyObject *engine, PyObject *inflight, uint64_t reached) {
   return rc;
 }
 
-/* Hand `op` (deps and inputs recorded) to native `engine` with the wait and check records it needs.
- * 1: handed on; 0: not here (the caller finishes in Python); -1: error. Under the engine's lock. */
-static int push(PyObject *engine, PyObject *op, PyObject *body, ar_cmd *work, PyObject *deps, PyObject *inputs) {
-  wait_t waits[MAX_WAITS];
-  int nwaits = 0;
-  Py_ssize_t nd = PyList_GET_SIZE(deps);
-  for (Py_ssize_t i = 0; i < nd; i++) {
-    PyObject *dep = PyList_GET_ITEM(deps, i);
+/* Whether `op` (its inputs recorded) can be appended here: the (engine address, value) pairs of its dependency
+ * check into `pairs` (a new bytes object, or NULL where none of its inputs can still fail it). 1, 0 (Python's:
+ * an input whose value is in a cell, more than 16 inputs), -1. */
+static int check_pairs(PyObject *inputs, PyObject **pairs) {
+  *pairs = NULL;
+  Py_ssize_t ni = PyTuple_Check(inputs) ? PyTuple_GET_SIZE(inputs) : PyList_GET_SIZE(inputs);
+  if (!ni) return 1;
+  if (ni > 16) return 0;
+  uint64_t buf[2 * 16];
+  Py_ssize_t np = 0;
+  for (Py_ssize_t i = 0; i < ni; i++) {
+    PyObject *dep = PySequence_Fast_GET_ITEM(inputs, i);
     int done = op_done(dep);
     if (done < 0) return -1;
-    if (done) continue;
-    PyObject *dep_engine = SLOT(dep, S_ENGINE);
-    uint64_t value = op_value(dep);
-    if (value == g_held || dep_engine == Py_None) return 0; /* not handed on yet: dispatch_when_ready */
-    if (dep_engine == engine) continue;                   /* its queue runs in order */
-    if (Py_TYPE(dep_engine) != g_native_type) return 0;
-    int j = 0;
-    while (j < nwaits && waits[j].engine != dep_engine) j++;
-    if (j == nwaits) {
-      if (nwaits == MAX_WAITS) return 0;
-      waits[nwaits].engine = dep_engine;
-      waits[nwaits++].value = value;
-    } else if (value > waits[j].value) {
-      waits[j].value = value;
+    uint64_t address = 0, value = 0; /* (0, 0): the worker asks Python */
+    if (done) {
+      if (SLOT(dep, S_ERROR) == Py_None) continue;
+    } else if (Py_TYPE(SLOT(dep, S_ENGINE)) == g_native_type) {
+      value = op_value(dep);
+      if (value == g_held) return 0; /* its value is in a cell: the Python path */
+      engine_state *st = state_of(SLOT(dep, S_ENGINE));
+      if (!st) return -1;
+      address = (uint64_t)(uintptr_t)st->core;
     }
+    buf[np++] = address;
+    buf[np++] = value;
   }
-  /* the dependency check: (engine address, value) per unfinished input, (0, 0) where Python must look */
-  PyObject *pairs = NULL;
-  Py_ssize_t ni = PyList_GET_SIZE(inputs);
-  if (ni) {
-    uint64_t buf[2 * 16];
-    Py_ssize_t np = 0;
-    if (ni > 16) return 0;
-    for (Py_ssize_t i = 0; i < ni; i++) {
-      PyObject *dep = PyList_GET_ITEM(inputs, i);
-      int done = op_done(dep);
-      if (done < 0) return -1;
-      uint64_t address = 0, value = 0;
-      if (done) {
-        if (SLOT(dep, S_ERROR) == Py_None) continue;
-      } else if (Py_TYPE(SLOT(dep, S_ENGINE)) == g_native_type) {
-        value = op_value(dep);
-        if (value == g_held) return 0; /* its value is in a cell: the Python path */
-        PyObject *a = PyObject_GetAttr(SLOT(dep, S_ENGINE), s_address);
-        if (!a) return -1;
-        address = PyLong_AsUnsignedLongLong(a);
-        Py_DECREF(a);
-        if (PyErr_Occurred()) return -1;
-      }
-      buf[np++] = address;
-      buf[np++] = value;
-    }
-    if (np) {
-      pairs = PyBytes_FromStringAndSize((const char *)buf, (Py_ssize_t)(np * sizeof(uint64_t)));
-      if (!pairs) return -1;
-    }
-  }
+  if (np && !(*pairs = PyBytes_FromStringAndSize((const char *)buf, (Py_ssize_t)(np * sizeof(uint64_t)))))
+    return -1;
+  return 1;
+}
+
+/* NativeEngine._enqueue for `op`, bound for native `engine` with `cmds` (WAIT commands, then one kernel or copy
+ * that the worker runs without Python) and no profile recording, under the engine's lock: its records (a wait
+ * per WAIT, a dependency check where an input is unfinished, the work, with `gate` on the first that starts it)
+ * appended through ar_submit, the op's value set and the op kept in flight. Sets op.engine, op.cmds and, where
+ * `deps` is given, op.deps first. 1, 0 before any side effect (Python's), -1 on error. */
+static int append_records(PyObject *engine, PyObject *op, PyObject *cmds, PyObject *deps, uint64_t gate) {
+  Py_ssize_t n = PyList_GET_SIZE(cmds);
+  if (n < 1 || n > MAX_WAITS + 1) return 0;
   ar_cmd recs[MAX_RECORDS];
-  PyObject *cmds = PyList_New(0), *keep = Py_None, *ptr = NULL, *sig = NULL, *item = NULL;
-  int n = 0, rc = -1;
-  if (!cmds) goto out;
-  PyObject *op_id = SLOT(op, S_ID);
-  uint64_t id = PyLong_AsUnsignedLongLong(op_id);
-  for (int i = 0; i < nwaits; i++) {
-    ptr = engine_signal_ptr(waits[i].engine, &sig);
-    if (!ptr) goto out;
-    PyObject *timeout = PyObject_GetAttr(sig, s_timeout);
-    if (!timeout) goto out;
-    double seconds = PyFloat_AsDouble(timeout);
-    Py_DECREF(timeout);
-    memset(&recs[n], 0, sizeof recs[n]);
-    recs[n].kind = K_WAIT;
-    recs[n].a = PyLong_AsUnsignedLongLong(ptr);
-    recs[n].b = waits[i].value;
-    recs[n].c = (uint64_t)(int64_t)(seconds * 1e9);
-    recs[n].op = id;
-    recs[n].index = (uint32_t)i;
-    n++;
-    item = Py_BuildValue("(OOK)", g_wait_kind, sig, (unsigned long long)waits[i].value);
-    Py_CLEAR(ptr);
-    Py_CLEAR(sig);
-    if (!item || PyList_Append(cmds, item)) goto out;
-    Py_CLEAR(item);
+  int kind = work_record(PyList_GET_ITEM(cmds, n - 1), &recs[MAX_RECORDS - 1]);
+  if (kind <= 0) return kind;
+  uint64_t id = PyLong_AsUnsignedLongLong(SLOT(op, S_ID));
+  if (PyErr_Occurred()) return -1;
+  int nrec = 0;
+  for (Py_ssize_t i = 0; i < n - 1; i++) {
+    PyObject *cmd = PyList_GET_ITEM(cmds, i);
+    if (!PyTuple_Check(cmd) || PyTuple_GET_SIZE(cmd) != 3 || PyTuple_GET_ITEM(cmd, 0) != g_wait_kind) return 0;
+    PyObject *ptr = PyObject_GetAttr(PyTuple_GET_ITEM(cmd, 1), s_ptr);
+    PyObject *timeout = ptr ? PyObject_GetAttr(PyTuple_GET_ITEM(cmd, 1), s_timeout) : NULL;
+    ar_cmd *rec = &recs[nrec++];
+    memset(rec, 0, sizeof *rec);
+    rec->kind = K_WAIT;
+    rec->a = ptr ? PyLong_AsUnsignedLongLong(ptr) : 0;
+    rec->b = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(cmd, 2));
+    rec->c = timeout ? (uint64_t)(int64_t)(PyFloat_AsDouble(timeout) * 1e9) : 0;
+    rec->op = id;
+    rec->index = (uint32_t)i;
+    Py_XDECREF(timeout);
+    Py_XDECREF(ptr);
+    if (!timeout || PyErr_Occurred()) { /* not a native signal: Python's */
+      if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
+      PyErr_Clear();
+      return 0;
+    }
   }
-  if (PyErr_Occurred()) goto out;
-  uint32_t index = (uint32_t)nwaits;
+  PyObject *pairs;
+  int ok = check_pairs(SLOT(op, S_INPUTS), &pairs);
+  if (ok <= 0) return ok;
+  PyObject *keep = Py_None, *item = NULL, *inflight = NULL;
+  int rc = -1;
+  uint32_t index = (uint32_t)(n - 1);
+  PyObject *op_id = SLOT(op, S_ID);
   if (pairs) {
     keep = PyList_New(1);
     if (!keep) goto out;
-    Py_INCREF(pairs);
-    PyList_SET_ITEM(keep, 0, pairs);
-    memset(&recs[n], 0, sizeof recs[n]);
-    recs[n].kind = K_CHECK;
-    recs[n].a = (uint64_t)(uintptr_t)PyBytes_AS_STRING(pairs);
-    recs[n].b = (uint64_t)(PyBytes_GET_SIZE(pairs) / 16);
-    recs[n].op = id;
-    recs[n].index = index | CHECK_BIT;
-    n++;
+    PyList_SET_ITEM(keep, 0, Py_NewRef(pairs));
+    ar_cmd *rec = &recs[nrec++];
+    memset(rec, 0, sizeof *rec);
+    rec->kind = K_CHECK;
+    rec->d = gate; /* the first record that starts the op's work reads its request's gate */
+    gate = 0;
+    rec->a = (uint64_t)(uintptr_t)PyBytes_AS_STRING(pairs);
+    rec->b = (uint64_t)(PyBytes_GET_SIZE(pairs) / 16);
+    rec->op = id;
+    rec->index = index | CHECK_BIT;
     /* the worker asks the engine's Python thread when an input failed: it must find the op */
     PyObject *python = PyObject_GetAttr(engine, s_python);
     if (!python) goto out;
@@ -487,14 +464,14 @@ static int push(PyObject *engine, PyObject *op, PyObject *body, ar_cmd *work, Py
       Py_DECREF(r);
     }
   }
-  recs[n] = *work;
-  recs[n].flags = F_END;
-  recs[n].op = id;
-  recs[n].index = index;
-  n++;
-  if (PyList_Append(cmds, PyList_GET_ITEM(body, 0))) goto out;
+  ar_cmd *rec = &recs[nrec++];
+  *rec = recs[MAX_RECORDS - 1];
+  rec->d = gate;
+  rec->flags = F_END;
+  rec->op = id;
+  rec->index = index;
   /* NativeEngine._enqueue: retire in batches, then append */
-  PyObject *inflight = PyObject_GetAttr(engine, s_inflight);
+  inflight = PyObject_GetAttr(engine, s_inflight);
   if (!inflight) goto out;
   Py_ssize_t queued = PyObject_Length(inflight);
   if (queued >= RETIRE_EVERY) {
@@ -503,16 +480,13 @@ static int push(PyObject *engine, PyObject *op, PyObject *body, ar_cmd *work, Py
     int r = head ? signal_value(engine, &reached) : -2;
     if (r == 0 && op_value(PyTuple_GET_ITEM(head, 0)) <= reached && retire_head(engine, inflight, reached)) r = -2;
     Py_XDECREF(head);
-    if (r == -2 || PyErr_Occurred()) {
-      Py_DECREF(inflight);
-      goto out;
-    }
+    if (r == -2 || PyErr_Occurred()) goto out;
   }
   set_slot(op, S_ENGINE, engine);
   set_slot(op, S_CMDS, cmds);
-  if (PyList_GET_SIZE(deps)) set_slot(op, S_DEPS, deps);
+  if (deps && PyList_GET_SIZE(deps)) set_slot(op, S_DEPS, deps);
   engine_state *st = state_of(engine);
-  uint64_t value = st ? g_submit(st->core, recs, (uint32_t)n) : 0;
+  uint64_t value = st ? g_submit(st->core, recs, (uint32_t)nrec) : 0;
   if (!value) {
     if (!PyErr_Occurred()) {
       PyErr_Format(PyExc_MemoryError, "%U: no memory for the commands of its queue", SLOT(op, S_NAME));
@@ -522,28 +496,99 @@ static int push(PyObject *engine, PyObject *op, PyObject *body, ar_cmd *work, Py
         Py_DECREF(python);
       }
     }
-    Py_DECREF(inflight);
     goto out;
   }
   PyObject *v = PyLong_FromUnsignedLongLong(value);
-  if (v) {
-    set_slot(op, S_VALUE, v);
-    Py_DECREF(v);
-  }
-  item = v ? PyTuple_Pack(2, op, keep) : NULL;
+  if (!v) goto out;
+  set_slot(op, S_VALUE, v);
+  Py_DECREF(v);
+  item = PyTuple_Pack(2, op, keep);
   PyObject *appended = item ? PyObject_CallMethodOneArg(inflight, s_append, item) : NULL;
-  Py_DECREF(inflight);
   if (!appended) goto out;
   Py_DECREF(appended);
   rc = 1;
 out:
+  Py_XDECREF(inflight);
   Py_XDECREF(item);
-  Py_XDECREF(ptr);
-  Py_XDECREF(sig);
-  Py_XDECREF(cmds);
   if (keep != Py_None) Py_DECREF(keep);
   Py_XDECREF(pairs);
   return rc;
+}
+
+typedef struct {
+  PyObject *engine; /* borrowed: a dep's, alive while the dep is */
+  uint64_t value;
+} wait_t;
+
+/* Hand `op` (deps and inputs recorded) to native `engine`, as dispatch_when_ready and push would: a WAIT on
+ * each other native queue it depends on, unless it is `held` (a held op with a dependency on another queue
+ * waits off its queue: Python's). 1: handed on; 0: not here (the caller finishes in Python); -1: error. Under the
+ * engine's lock. */
+static int push(PyObject *engine, PyObject *op, PyObject *body, PyObject *deps, int held, uint64_t gate) {
+  wait_t waits[MAX_WAITS];
+  int nwaits = 0;
+  Py_ssize_t nd = PyList_GET_SIZE(deps);
+  for (Py_ssize_t i = 0; i < nd; i++) {
+    PyObject *dep = PyList_GET_ITEM(deps, i);
+    int done = op_done(dep);
+    if (done < 0) return -1;
+    if (done) continue;
+    PyObject *dep_engine = SLOT(dep, S_ENGINE);
+    uint64_t value = op_value(dep);
+    if (value == g_held || dep_engine == Py_None) return 0; /* not handed on yet: dispatch_when_ready */
+    if (dep_engine == engine) continue;                   /* its queue runs in order */
+    if (held || Py_TYPE(dep_engine) != g_native_type) return 0; /* a held op waits off its queue: Python's */
+    int j = 0;
+    while (j < nwaits && waits[j].engine != dep_engine) j++;
+    if (j == nwaits) {
+      if (nwaits == MAX_WAITS) return 0;
+      waits[nwaits].engine = dep_engine;
+      waits[nwaits++].value = value;
+    } else if (value > waits[j].value) {
+      waits[j].value = value;
+    }
+  }
+  PyObject *cmds = PyList_New(0);
+  int rc = cmds ? 0 : -1;
+  for (int i = 0; i < nwaits && !rc; i++) {
+    PyObject *sig = PyObject_GetAttr(waits[i].engine, s_signal);
+    PyObject *item = sig ? Py_BuildValue("(OOK)", g_wait_kind, sig, (unsigned long long)waits[i].value) : NULL;
+    if (!item || PyList_Append(cmds, item)) rc = -1;
+    Py_XDECREF(item);
+    Py_XDECREF(sig);
+  }
+  if (!rc && PyList_Append(cmds, PyList_GET_ITEM(body, 0))) rc = -1;
+  if (!rc) rc = append_records(engine, op, cmds, deps, gate);
+  Py_XDECREF(cmds);
+  return rc;
+}
+
+/* enqueue(engine, cmds, op): NativeEngine._enqueue's work in C where it can (see append_records): True, or
+ * None for the Python path. */
+static PyObject *enqueue(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  (void)self;
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "enqueue(engine, cmds, op)");
+    return NULL;
+  }
+  PyObject *engine = args[0], *cmds = args[1], *op = args[2];
+  if (Py_TYPE(engine) != g_native_type || !PyList_Check(cmds) || Py_TYPE(op) != g_op_type)
+    Py_RETURN_NONE;
+  PyObject *enabled = PyObject_GetAttr(g_recorder, s_enabled);
+  int recording = enabled ? PyObject_IsTrue(enabled) : -1;
+  Py_XDECREF(enabled);
+  if (recording) return recording < 0 ? NULL : Py_NewRef(Py_None);
+  uint64_t gate = 0;
+  PyObject *g = SLOT(op, S_GATE);
+  if (g != Py_None) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(g, &view, PyBUF_SIMPLE)) return NULL;
+    gate = (uint64_t)(uintptr_t)view.buf;
+    PyBuffer_Release(&view);
+  }
+  int rc = append_records(engine, op, cmds, NULL, gate);
+  if (rc < 0) return NULL;
+  return Py_NewRef(rc ? Py_True : Py_None);
 }
 
 /* ---- the module's functions --------------------------------------------------------------------------- */
@@ -564,9 +609,11 @@ static int engine_closed(PyObject *engine) {
   return truth;
 }
 
-/* The op of `body` (one command) submitted to `engine`; None (new reference) where Python must take it. */
+/* BaseDevice._submit for the op of `body` (one command) bound for `engine`, through `window` (a Scheduler, or
+ * None): the op, handed to its queue here or by dispatch_when_ready, or None (new reference) where Python must
+ * take it. */
 static PyObject *do_submit(PyObject *engine, PyObject *name, PyObject *body, PyObject *reads, PyObject *writes,
-                           PyObject *keep, PyObject *result) {
+                           PyObject *keep, PyObject *result, PyObject *window) {
   if (Py_TYPE(engine) != g_native_type || !PyList_Check(body) || PyList_GET_SIZE(body) != 1 ||
       !PyTuple_Check(reads) || !PyTuple_Check(writes))
     Py_RETURN_NONE;
@@ -586,8 +633,19 @@ static PyObject *do_submit(PyObject *engine, PyObject *name, PyObject *body, PyO
   }
   PyObject *op = new_op(name, keep, result);
   if (!op) return NULL;
-  PyObject *deps = PyList_New(0), *inputs = PyList_New(0);
+  PyObject *deps = PyList_New(0), *inputs = PyList_New(0), *gate = Py_None;
+  uint64_t gate_address = 0;
   if (!deps || !inputs) goto fail;
+  if (window != Py_None) { /* the gate of its task's request, or the scheduler's own */
+    gate = PyObject_CallMethodNoArgs(window, s_gate);
+    if (!gate) goto fail;
+    set_slot(op, S_GATE, gate);
+    Py_DECREF(gate); /* the op holds it */
+    Py_buffer view;
+    if (PyObject_GetBuffer(gate, &view, PyBUF_SIMPLE)) goto fail;
+    gate_address = (uint64_t)(uintptr_t)view.buf;
+    PyBuffer_Release(&view);
+  }
   for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(reads); i++)
     if (log_access(PyTuple_GET_ITEM(reads, i), 0, op, engine, deps, inputs)) goto fail;
   for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(writes); i++)
@@ -597,35 +655,53 @@ static PyObject *do_submit(PyObject *engine, PyObject *name, PyObject *body, PyO
     set_slot(op, S_INPUTS, inputs);
     for (Py_ssize_t i = 0; i < ni; i++) {
       if (SLOT(PyList_GET_ITEM(inputs, i), S_GATE) != Py_None) { /* a request's op: the Python rule */
-        PyObject *r = PyObject_CallFunctionObjArgs(g_protect, inputs, Py_None, NULL);
+        PyObject *r = PyObject_CallFunctionObjArgs(g_protect, inputs, gate, NULL);
         if (!r) goto fail;
         Py_DECREF(r);
         break;
       }
     }
   }
-  PyObject *locked = call_lock(engine, s_acquire);
-  if (!locked) goto fail;
-  Py_DECREF(locked);
-  int pushed = engine_closed(engine);
-  if (pushed == 0) pushed = push(engine, op, body, &work, deps, inputs);
-  else if (pushed == 1) pushed = PyList_GET_SIZE(deps) ? 0 : 2;
-  PyObject *type, *value, *traceback;
-  PyErr_Fetch(&type, &value, &traceback);
-  PyObject *unlocked = call_lock(engine, s_release);
-  if (type) {
-    Py_XDECREF(unlocked);
-    PyErr_Restore(type, value, traceback);
-    goto fail;
+  int admitted = 1;
+  if (window != Py_None) {
+    PyObject *ops = PyTuple_Pack(1, op);
+    PyObject *r = ops ? PyObject_CallMethodOneArg(window, s_admit, ops) : NULL;
+    Py_XDECREF(ops);
+    admitted = r ? PyObject_IsTrue(r) : -1;
+    Py_XDECREF(r);
+    if (admitted < 0) goto fail;
   }
-  if (!unlocked) goto fail;
-  Py_DECREF(unlocked);
+  int pushed = 0;
+  if (admitted) {
+    PyObject *locked = call_lock(engine, s_acquire);
+    if (!locked) goto fail;
+    Py_DECREF(locked);
+    pushed = engine_closed(engine);
+    if (pushed == 0) pushed = push(engine, op, body, deps, window != Py_None, gate_address);
+    else if (pushed == 1) pushed = PyList_GET_SIZE(deps) ? 0 : 2;
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyObject *unlocked = call_lock(engine, s_release);
+    if (type) {
+      Py_XDECREF(unlocked);
+      PyErr_Restore(type, value, traceback);
+      goto fail;
+    }
+    if (!unlocked) goto fail;
+    Py_DECREF(unlocked);
+  }
   if (pushed == 2) { /* closed meanwhile, with no dependency: check_open raises, as push does */
     PyObject *r = PyObject_CallMethodOneArg(engine, s_check_open, name);
     Py_XDECREF(r);
     goto fail;
   }
-  if (pushed == 0 && PyList_GET_SIZE(deps)) set_slot(op, S_DEPS, deps);
+  if (pushed == 0) { /* dispatch_when_ready hands it on: held through a window, as the Python path does */
+    if (PyList_GET_SIZE(deps)) set_slot(op, S_DEPS, deps);
+    PyObject *r = PyObject_CallFunction(g_dispatch, "[(OOO)]OO", engine, body, op, window != Py_None ? Py_True : Py_False,
+                                        admitted ? Py_None : window);
+    if (!r) goto fail;
+    Py_DECREF(r);
+  }
   Py_DECREF(deps);
   Py_DECREF(inputs);
   return op;
@@ -638,11 +714,11 @@ fail:
 
 static PyObject *submit(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   (void)self;
-  if (nargs != 7) {
-    PyErr_SetString(PyExc_TypeError, "submit(engine, name, body, reads, writes, keep, result)");
+  if (nargs != 8) {
+    PyErr_SetString(PyExc_TypeError, "submit(engine, name, body, reads, writes, keep, result, window)");
     return NULL;
   }
-  return do_submit(args[0], args[1], args[2], args[3], args[4], args[5], args[6]);
+  return do_submit(args[0], args[1], args[2], args[3], args[4], args[5], args[6], args[7]);
 }
 
 /* ---- the device's op methods: BaseDevice.launch, copyin and copyout for the common call ---------------- */
@@ -712,21 +788,6 @@ out:
   return rc;
 }
 
-/* Submit as BaseDevice._submit does once its op is made here: hand on with dispatch_when_ready an op whose
- * dependency the core could not take. Steals nothing; returns the op, None (the Python path) or NULL. */
-static PyObject *submit_op(PyObject *engine, PyObject *name, PyObject *body, PyObject *reads, PyObject *writes,
-                           PyObject *keep, PyObject *result) {
-  PyObject *op = do_submit(engine, name, body, reads, writes, keep, result);
-  if (!op || op == Py_None || SLOT(op, S_ENGINE) != Py_None) return op;
-  PyObject *r = PyObject_CallFunction(g_dispatch, "[(OOO)]O", engine, body, op, Py_False);
-  if (!r) {
-    Py_DECREF(op);
-    return NULL;
-  }
-  Py_DECREF(r);
-  return op;
-}
-
 /* The kernel's packed arguments per its plan (a byte pair per parameter: kind p/f/i/u, bits), as
  * CPUProgram.bind packs them: 1 and a new bytes object, 0 where Python must check (a count or a value it would
  * refuse, a scalar that is not a plain int or float), -1 on error. */
@@ -780,15 +841,15 @@ python:
 }
 
 /* launch(dev, prog, bufs, vals, outs, hold, window, priority): BaseDevice.launch's op, or None for the Python path
- * (another queue or priority, a hold or a window, `outs` given, a program without a plan, any check to make). */
+ * (another queue or priority, a hold, `outs` given, a program without a plan, any check to make). */
 static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   (void)self;
   if (nargs != 8) {
     PyErr_SetString(PyExc_TypeError, "launch(dev, prog, bufs, vals, outs, hold, window, priority)");
     return NULL;
   }
-  PyObject *dev = args[0], *prog = args[1], *bufs = args[2], *vals = args[3];
-  if (args[4] != Py_None || args[5] != Py_False || args[6] != Py_None || !PyLong_CheckExact(args[7]) ||
+  PyObject *dev = args[0], *prog = args[1], *bufs = args[2], *vals = args[3], *window = args[6];
+  if (args[4] != Py_None || args[5] != Py_False || !PyLong_CheckExact(args[7]) ||
       PyLong_AsLong(args[7]) != 0 || !PyTuple_Check(bufs) || !(PyTuple_Check(vals) || PyList_Check(vals)))
     Py_RETURN_NONE;
   int ready = device_ready(dev);
@@ -854,7 +915,7 @@ static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                          (unsigned long long)(uintptr_t)PyBytes_AS_STRING(packed));
   }
   if (!body) goto error;
-  result = submit_op(engine, name, body, reads, writes, bufs, Py_None);
+  result = do_submit(engine, name, body, reads, writes, bufs, Py_None, window);
   goto out;
 python:
   PyErr_Clear();
@@ -953,9 +1014,9 @@ static PyObject *copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     PyErr_SetString(PyExc_TypeError, "copy(dev, buf, data, into, hold, window, priority)");
     return NULL;
   }
-  PyObject *dev = args[0], *buf = args[1], *data = args[2], *into = args[3];
+  PyObject *dev = args[0], *buf = args[1], *data = args[2], *into = args[3], *window = args[5];
   int out_copy = data == Py_None;
-  if (args[4] != Py_False || args[5] != Py_None || !PyLong_CheckExact(args[6]) || PyLong_AsLong(args[6]) != 0)
+  if (args[4] != Py_False || !PyLong_CheckExact(args[6]) || PyLong_AsLong(args[6]) != 0)
     Py_RETURN_NONE;
   int ready = device_ready(dev);
   if (ready <= 0) return ready < 0 ? NULL : Py_NewRef(Py_None);
@@ -1027,8 +1088,8 @@ static PyObject *copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   }
   PyObject *empty = PyTuple_New(0);
   if (empty) {
-    result = out_copy ? submit_op(engine, name, body, bufs, empty, keep, dest)
-                      : submit_op(engine, name, body, empty, bufs, keep, Py_None);
+    result = out_copy ? do_submit(engine, name, body, bufs, empty, keep, dest, window)
+                      : do_submit(engine, name, body, empty, bufs, keep, Py_None, window);
     Py_DECREF(empty);
   }
 checked:
@@ -1113,7 +1174,9 @@ static PyObject *init(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"submit", (PyCFunction)(void (*)(void))submit, METH_FASTCALL,
-     "submit(engine, name, body, reads, writes, keep, result): the op, or None for the Python path"},
+     "submit(engine, name, body, reads, writes, keep, result, window): the op, or None for the Python path"},
+    {"enqueue", (PyCFunction)(void (*)(void))enqueue, METH_FASTCALL,
+     "enqueue(engine, cmds, op): NativeEngine._enqueue's work, True, or None for the Python path"},
     {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL,
      "launch(dev, prog, bufs, vals, outs, hold, window, priority): the op, or None for the Python path"},
     {"copy", (PyCFunction)(void (*)(void))copy, METH_FASTCALL,
@@ -1144,6 +1207,7 @@ PyMODINIT_FUNC PyInit__submit(void) {
       {&s_copy, "copy"},        {&s_base, "_base"},        {&s_handle, "_handle"},    {&s_generation, "_generation"},
       {&s_owner, "_owner"},     {&s_dtype, "dtype"},       {&s_copy_fn, "copy_fn"},   {&s_inline, "inline_copy_max"},
       {&s_fast_state, "_fast_state"}, {&s_retire_lock, "_retire_lock"}, {&s_popleft, "popleft"},
+      {&s_gate, "_gate"},       {&s_admit, "_admit"},
   };
   for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
     *names[i].where = PyUnicode_InternFromString(names[i].text);

@@ -2,14 +2,15 @@
 
 Submitting an op in Python costs several microseconds on the event loop's thread (the checks, the op object,
 the hazard logs, packing the arguments and records, a ctypes call). ``submit.c`` does the same for the common op
-(one kernel or copy that the worker runs without Python, submitted with no window, no hold, normal priority and
-no profile recording) in one call, with the same rules: ``launch`` and ``copy`` from
-:meth:`BaseDevice.launch <aruntime.device.base.BaseDevice.launch>`, ``copyin`` and ``copyout`` (a kernel whose
-program has a launch plan, see :attr:`Program._plan <aruntime.device.program.Program>`; plain buffers of numbers),
-``submit`` from :meth:`BaseDevice._submit <aruntime.device.base.BaseDevice._submit>` for the other op methods.
-Anything else (an argument to check and refuse, a view not yet bound, a program without a plan) returns None
-before any side effect and takes the Python path, which stays the reference; so does every op where the
-extension cannot be built.
+(one kernel or copy that the worker runs without Python, with no hold, normal priority and no profile
+recording, straight on a device or through a :class:`~aruntime.scheduler.Scheduler`) with the same rules:
+``launch`` and ``copy`` from :meth:`BaseDevice.launch <aruntime.device.base.BaseDevice.launch>`, ``copyin`` and
+``copyout`` (a kernel whose program has a launch plan, see :attr:`Program._plan
+<aruntime.device.program.Program>`; plain buffers of numbers), ``submit`` from
+:meth:`BaseDevice._submit <aruntime.device.base.BaseDevice._submit>` for the other op methods, ``enqueue`` from
+``NativeEngine._enqueue`` for an op handed on later. Anything else (an argument to check and refuse, a view not
+yet bound, a program without a plan) returns None before any side effect and takes the Python path, which stays
+the reference; so does every op where the extension cannot be built.
 
 It is built at first use with the system C compiler against the running interpreter's headers (``Python.h``;
 on Debian and Ubuntu the ``python3-dev`` package), through the compile cache like the core, under a key that
@@ -32,9 +33,10 @@ from aruntime.helpers import getenv
 
 FLAGS = ("-O2", "-fPIC", "-shared")
 Fast = Any
-"""The built module: ``submit(engine, name, body, reads, writes, keep, result)``, ``launch(dev, prog, bufs, vals,
-outs, hold, window, priority)`` and ``copy(dev, buf, data, into, hold, window, priority)``, each returning the op,
-or None where the Python path must take it (see ``submit.c``)."""
+"""The built module: ``submit(engine, name, body, reads, writes, keep, result, window)``, ``launch(dev, prog, bufs,
+vals, outs, hold, window, priority)`` and ``copy(dev, buf, data, into, hold, window, priority)``, each returning the
+op, and ``enqueue(engine, cmds, op)``, returning True; each None where the Python path must take it (see
+``submit.c``)."""
 
 unavailable: str | None = None
 """Why the C submission path could not be built (None once it was, or before it was first asked for)."""
