@@ -23,6 +23,7 @@ import pytest
 from aruntime import BaseDevice, Device, DeviceError, Op, Scheduler, dtypes
 from aruntime.engine import KernelError, NativeEngine
 from aruntime.engine.native import submit
+from aruntime.engine.ops import HELD
 from tests.kernels import ADD_ONE, SPINS, closed_gate
 
 pytestmark = pytest.mark.anyio
@@ -75,7 +76,7 @@ async def _program(dev: BaseDevice, seed: int, scheduled: bool = False) -> tuple
         shapes.append(
             (
                 None if engine is None else engine.kind,
-                None if engine is None else op.value - base[engine.kind],
+                None if engine is None else "held" if op.value == HELD else op.value - base[engine.kind],
                 sorted(index[id(d)] for d in op.deps),
                 sorted(index[id(d)] for d in op.inputs),
                 [cmd[0] for cmd in op.cmds or ()],
