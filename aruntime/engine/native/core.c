@@ -209,10 +209,10 @@ int ar_sig_set(ar_sig *s, uint64_t v) {
   do {
     if (v <= old) return -1;
   } while (!atomic_compare_exchange_weak(&s->value, &old, v));
-  if (atomic_load(&s->blocked)) {
+  if (atomic_load(&s->blocked)) { /* as in append: signalled once the lock is free */
     pthread_mutex_lock(&s->lock);
-    pthread_cond_broadcast(&s->cond);
     pthread_mutex_unlock(&s->lock);
+    pthread_cond_broadcast(&s->cond);
   }
   if (v >= atomic_load(&s->armed)) {
     int fire[MAXN], nfire = 0;
@@ -724,10 +724,11 @@ static int append(ar_engine *e, const ar_cmd *cmds, uint32_t n, uint64_t value) 
     if (value) slot->value = value;
   }
   atomic_fetch_add(&e->published, n);
-  if (atomic_load(&e->sleeping)) {
+  if (atomic_load(&e->sleeping)) { /* once it holds the lock the worker waits on cond: signal it after letting go,
+                                    * so that it does not wake only to block on the lock we hold */
     pthread_mutex_lock(&e->lock);
-    pthread_cond_signal(&e->cond);
     pthread_mutex_unlock(&e->lock);
+    pthread_cond_signal(&e->cond);
   }
   return 0;
 }
