@@ -548,6 +548,7 @@ static int push(PyObject *engine, PyObject *op, PyObject *body, PyObject *deps, 
       waits[j].value = value;
     }
   }
+  if (!nwaits) return append_records(engine, op, body, deps, gate); /* the op's commands are `body`, as in Python */
   PyObject *cmds = PyList_New(0);
   int rc = cmds ? 0 : -1;
   for (int i = 0; i < nwaits && !rc; i++) {
