@@ -320,3 +320,20 @@ async def test_failures_among_many_ops_in_flight_reach_their_ops() -> None:
             assert exc.status == 3
             failed.append(i)
     assert failed == [i for i in range(800) if i % 8 == 3]
+
+
+async def test_a_damaged_hazard_log_is_an_error_not_a_crash() -> None:
+    """The C path reads the hazard log's entries as the Python one writes them; anything else there is a
+    TypeError naming it, not memory read as an op."""
+    dev = Device["CPU:5"]
+    _fast(dev)
+    buf = await dev.allocate(8)
+    await dev.copyin(buf, bytes(8))
+    buf.log.entries.append((0, 8, True, "not an op"))
+    with pytest.raises(TypeError, match="hazard log holds 'not an op'"):
+        dev.copyin(buf, bytes(8))
+    buf.log.entries[-1] = "not an entry"
+    with pytest.raises(TypeError, match="hazard log holds 'not an entry'"):
+        dev.copyin(buf, bytes(8))
+    buf.log.entries.clear()
+    await dev.copyin(buf, bytes(8))

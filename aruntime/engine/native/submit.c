@@ -57,6 +57,20 @@ static Py_ssize_t g_off[N_SLOTS];
 
 #define SLOT(op, s) (*(PyObject **)((char *)(op) + g_off[s]))
 
+/* Whether `o` is an Op (whose slots SLOT reads); else a TypeError naming `what`. */
+static int is_op(PyObject *o, const char *what) {
+  if (PyObject_TypeCheck(o, g_op_type)) return 1;
+  PyErr_Format(PyExc_TypeError, "%s holds %R where an op was expected", what, o);
+  return 0;
+}
+
+/* Whether `entry` is a hazard log entry: (start, end, is_write, op); else a TypeError. */
+static int is_entry(PyObject *entry) {
+  if (PyTuple_Check(entry) && PyTuple_GET_SIZE(entry) == 4) return is_op(PyTuple_GET_ITEM(entry, 3), "a hazard log");
+  PyErr_Format(PyExc_TypeError, "a hazard log holds %R where (start, end, is_write, op) was expected", entry);
+  return 0;
+}
+
 static void set_slot(PyObject *op, int s, PyObject *value) {
   PyObject *old = SLOT(op, s);
   Py_INCREF(value);
@@ -179,6 +193,7 @@ static int log_access(PyObject *buf, int write, PyObject *op, PyObject *engine, 
   Py_ssize_t n = PyList_GET_SIZE(entries);
   for (Py_ssize_t i = 0; i < n; i++) {
     PyObject *entry = PyList_GET_ITEM(entries, i);
+    if (!is_entry(entry)) goto out;
     long long s = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 0)), e = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 1));
     int w = PyTuple_GET_ITEM(entry, 2) == Py_True;
     PyObject *other = PyTuple_GET_ITEM(entry, 3);
@@ -324,6 +339,11 @@ static int retire_head(PyObject *engine, PyObject *inflight, uint64_t reached) {
       rc = -1;
       break;
     }
+    if (!PyTuple_Check(head) || PyTuple_GET_SIZE(head) != 2 || !is_op(PyTuple_GET_ITEM(head, 0), "a queue")) {
+      Py_DECREF(head);
+      rc = -1;
+      break;
+    }
     PyObject *op = PyTuple_GET_ITEM(head, 0), *keep = PyTuple_GET_ITEM(head, 1);
     int mine = op_value(op) <= reached && (keep == Py_None || PyList_Check(keep));
     for (Py_ssize_t i = 0; mine && keep != Py_None && i < PyList_GET_SIZE(keep); i++)
@@ -366,13 +386,15 @@ static int retire_head(PyObject *engine, PyObject *inflight, uint64_t reached) {
  * an input whose value is in a cell, more than 16 inputs), -1. */
 static int check_pairs(PyObject *inputs, PyObject **pairs) {
   *pairs = NULL;
-  Py_ssize_t ni = PyTuple_Check(inputs) ? PyTuple_GET_SIZE(inputs) : PyList_GET_SIZE(inputs);
+  if (!PyTuple_Check(inputs) && !PyList_Check(inputs)) return 0;
+  Py_ssize_t ni = PySequence_Fast_GET_SIZE(inputs);
   if (!ni) return 1;
   if (ni > 16) return 0;
   uint64_t buf[2 * 16];
   Py_ssize_t np = 0;
   for (Py_ssize_t i = 0; i < ni; i++) {
     PyObject *dep = PySequence_Fast_GET_ITEM(inputs, i);
+    if (!is_op(dep, "an op's inputs")) return -1;
     int done = op_done(dep);
     if (done < 0) return -1;
     uint64_t address = 0, value = 0; /* (0, 0): the worker asks Python */
@@ -478,6 +500,8 @@ static int append_records(PyObject *engine, PyObject *op, PyObject *cmds, PyObje
     PyObject *head = PySequence_GetItem(inflight, 0);
     uint64_t reached;
     int r = head ? signal_value(engine, &reached) : -2;
+    if (r == 0 && (!PyTuple_Check(head) || PyTuple_GET_SIZE(head) != 2 || !is_op(PyTuple_GET_ITEM(head, 0), "a queue")))
+      r = -2;
     if (r == 0 && op_value(PyTuple_GET_ITEM(head, 0)) <= reached && retire_head(engine, inflight, reached)) r = -2;
     Py_XDECREF(head);
     if (r == -2 || PyErr_Occurred()) goto out;
@@ -987,7 +1011,12 @@ static int conflicts_on(PyObject *buf, PyObject *engine, int write) {
   if (PyErr_Occurred()) goto out;
   rc = 0;
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(entries) && !rc; i++) {
-    PyObject *entry = PyList_GET_ITEM(entries, i), *other = PyTuple_GET_ITEM(entry, 3);
+    PyObject *entry = PyList_GET_ITEM(entries, i);
+    if (!is_entry(entry)) {
+      rc = -1;
+      break;
+    }
+    PyObject *other = PyTuple_GET_ITEM(entry, 3);
     long long s = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 0)), e = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 1));
     if (PyErr_Occurred()) {
       rc = -1;
