@@ -66,8 +66,11 @@ def dispatch_when_ready(
         # the core appends the op with no wait commands: whatever it waits for on another queue must be done
         # first (as for a held op), also a dependency handed on already, and one on its own queue handed on
         engine, body, op = ops[0]
-        conds = [(False, dep) for dep in op.deps if dep.engine is not engine and not dep.done()]
-        conds += [(True, dep) for _, on, dep in blockers if on and dep.engine is engine]
+        if hold:  # the blockers are those conditions already: done on other queues, dispatched on its own
+            conds = [(on, dep) for _, on, dep in blockers]
+        else:
+            conds = [(False, dep) for dep in op.deps if dep.engine is not engine and not dep.done()]
+            conds += [(True, dep) for _, on, dep in blockers if on and dep.engine is engine]
         if all(_pends_with(dep) for _, dep in conds):
             _pend(engine, body, op, conds)
             return

@@ -289,10 +289,16 @@ class NativeEngine(Engine):
         record = F_RECORD if recorder.enabled else 0
         checked = not op.inputs
         gate = 0 if op.gate is None else op.gate.buffer_info()[0]
-        if checked and len(cmds) == 1 and cmds[0][0] >= EXEC:  # most ops: one kernel or copy
+        if len(cmds) == 1 and cmds[0][0] >= EXEC:  # most ops: one kernel or copy
             kind = _work_kind(cmds[0])
             if kind != K_PY:
-                return _work_record(cmds[0], kind, F_END | record, op_id, 0, gate), 1, None
+                pairs = None if checked else self._check_pairs(op)
+                if pairs is None:
+                    return _work_record(cmds[0], kind, F_END | record, op_id, 0, gate), 1, None
+                self._python_runs(op)  # the cells the pairs name are kept alive by the inputs' ops
+                address, count = bytes_address(pairs), len(pairs) // 16
+                check = _RECORD.pack(K_CHECK, 0, address, count, 0, gate, 0, op_id, 0, CHECK_BIT)
+                return check + _work_record(cmds[0], kind, F_END | record, op_id, 0, 0), 2, (pairs,)
         pack = _RECORD.pack
         keep: list[Any] | None = None
         last = len(cmds) - 1
