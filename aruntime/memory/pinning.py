@@ -7,6 +7,7 @@ import re
 from typing import Any, ClassVar
 
 from aruntime.errors import BufferUsageError
+from aruntime.helpers import bytes_address
 
 
 class _PyBuffer(ctypes.Structure):
@@ -34,16 +35,6 @@ _release_buffer.restype = None
 _PYBUF_WRITABLE = 0x0001
 _PYBUF_FORMAT = 0x0004
 _PYBUF_ND = 0x0008  # with the format, exporters such as memoryview also want the shape asked for
-
-
-_PROBE = b"aruntime"
-_BYTES_DATA = int(ctypes.cast(_PROBE, ctypes.c_void_p).value or 0) - id(_PROBE)  # type: ignore[arg-type]
-
-
-def bytes_address(data: bytes) -> int:
-    """The address of the data of ``data`` (a ``bytes``, exactly), valid while it lives: its ``id`` plus where
-    CPython's layout puts the data (a constant, measured once; cheaper than a ctypes call per object)."""
-    return id(data) + _BYTES_DATA
 
 
 class _Export:

@@ -48,7 +48,7 @@ from aruntime.engine.ops import (
 )
 from aruntime.errors import OpError, SignalTimeout
 from aruntime.events import RangeEvent, RangeLog, recorder
-from aruntime.memory.pinning import bytes_address
+from aruntime.helpers import bytes_address
 
 K_WAIT, K_SIGNAL, K_TIMESTAMP, K_COPY, K_EXEC, K_NOP, K_CHECK, K_PY, K_STOP = range(9)
 F_END, F_RECORD = 1, 2
