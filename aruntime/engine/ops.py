@@ -181,7 +181,7 @@ class Op:
         self.error: BaseException | None = None
         self.observed = False
         self.engine: Engine | None = None
-        self.cmds: list[Command] | None = None  # held from submission until the op has run
+        self.cmds: Sequence[Command] | None = None  # held from submission until the op has run
         self.value = 0
         self.later: Later | None = None  # held: (on_dispatch, callback, where); () until something waits
         self.cell: array[int] | None = None  # pending in the native core: the array where it writes the op's value,

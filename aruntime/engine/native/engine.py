@@ -112,6 +112,16 @@ def _work_record(cmd: Command, kind: int, flags: int, op_id: int, index: int, ga
     return _RECORD.pack(kind, flags, 0, 0, 0, gate, 0, op_id, name, index)
 
 
+def _as_run(cmd: Command, kind: int) -> Command:
+    """What an op keeps of a kernel or copy command the core runs by itself (``kind``): the command with its
+    function replaced by the entry's address (a kernel: its packed arguments stay) or None (a copy). Its parts
+    are then numbers, strings and ``bytes``, as a kernel's arguments usually are, so that the garbage collector
+    stops tracking the op's commands (a list and a tuple per op in flight otherwise)."""
+    if kind == K_EXEC:
+        return (EXEC, cmd[1], cmd[2].address, cmd[3])
+    return (COPY, cmd[1], None, cmd[3], cmd[4], cmd[5])
+
+
 def _cell_address(op: Op) -> int:
     """The address of the word the core writes a pending ``op``'s value into (see :attr:`Op.cell`)."""
     cell = op.cell
@@ -290,15 +300,18 @@ class NativeEngine(Engine):
         checked = not op.inputs
         gate = 0 if op.gate is None else op.gate.buffer_info()[0]
         if len(cmds) == 1 and cmds[0][0] >= EXEC:  # most ops: one kernel or copy
-            kind = _work_kind(cmds[0])
+            cmd = cmds[0]
+            kind = _work_kind(cmd)
             if kind != K_PY:
                 pairs = None if checked else self._check_pairs(op)
+                run = _work_record(cmd, kind, F_END | record, op_id, 0, gate if pairs is None else 0)
+                if op.cmds is cmds and kind in (K_EXEC, K_COPY):
+                    op.cmds = (_as_run(cmd, kind),)
                 if pairs is None:
-                    return _work_record(cmds[0], kind, F_END | record, op_id, 0, gate), 1, None
+                    return run, 1, None
                 self._python_runs(op)  # the cells the pairs name are kept alive by the inputs' ops
                 address, count = bytes_address(pairs), len(pairs) // 16
-                check = _RECORD.pack(K_CHECK, 0, address, count, 0, gate, 0, op_id, 0, CHECK_BIT)
-                return check + _work_record(cmds[0], kind, F_END | record, op_id, 0, 0), 2, (pairs,)
+                return _RECORD.pack(K_CHECK, 0, address, count, 0, gate, 0, op_id, 0, CHECK_BIT) + run, 2, (pairs,)
         pack = _RECORD.pack
         keep: list[Any] | None = None
         last = len(cmds) - 1
