@@ -295,7 +295,7 @@ class BaseDevice(Closing, ProfileHooks):
             for buf in writes:
                 buf.log.access(buf.offset, buf.offset + buf.nbytes, True, False, op, engine, deps, inputs)
             if inputs:
-                op.inputs = inputs
+                op.inputs = deps if inputs == deps else inputs  # one list for both where they agree (a copy-out)
                 protect(inputs, gate)
         admitted = window is None or window._admit((op,))
         if admitted and not deps:

@@ -49,6 +49,8 @@ def dispatch_when_ready(
     event loop that submitted them (one turn of that loop; the callback thread outside
     any loop), on the Python engine on the engine thread that completed the dependency.
     """
+    if hold and window is None and len(ops) == 1 and ops[0][0].pends and _pend_held(*ops[0]):
+        return  # the common case of a scheduler's op, in one pass over its dependencies
     mine: Collection[int] = {id(op) for _, _, op in ops} if len(ops) > 1 else ()  # one op never depends on itself
     blockers: list[tuple[Op, bool, Op]] = []  # (op, wait only for the dependency's dispatch, dependency)
     for engine, _, op in ops:
@@ -66,8 +68,11 @@ def dispatch_when_ready(
         # the core appends the op with no wait commands: whatever it waits for on another queue must be done
         # first (as for a held op), also a dependency handed on already, and one on its own queue handed on
         engine, body, op = ops[0]
-        conds = [(False, dep) for dep in op.deps if dep.engine is not engine and not dep.done()]
-        conds += [(True, dep) for _, on, dep in blockers if on and dep.engine is engine]
+        if hold:  # the blockers are those conditions already: done on other queues, dispatched on its own
+            conds = [(on, dep) for _, on, dep in blockers]
+        else:
+            conds = [(False, dep) for dep in op.deps if dep.engine is not engine and not dep.done()]
+            conds += [(True, dep) for _, on, dep in blockers if on and dep.engine is engine]
         if all(_pends_with(dep) for _, dep in conds):
             _pend(engine, body, op, conds)
             return
@@ -80,6 +85,30 @@ def dispatch_when_ready(
         (dep.when_dispatched if on_dispatch else dep.when_done)(one_ready)
     if window is not None:
         window._queue_for_room([op for _, _, op in ops], one_ready)
+
+
+def _pend_held(engine: Engine, body: list[Command], op: Op) -> bool:
+    """Hand a held ``op`` on as :func:`dispatch_when_ready` does (to ``engine`` at once if nothing blocks it,
+    else to its core with its conditions); False, with nothing done, if a dependency cannot be waited for in
+    a core (then the general path holds it)."""
+    conds: list[tuple[bool, Op]] = []
+    for dep in op.deps:
+        if dep.done():
+            continue
+        dep_engine = dep.engine
+        if dep_engine is not engine:
+            if not (dep_engine is not None and dep_engine.pends and (dep.cell is not None or dep.dispatched)):
+                return False
+            conds.append((False, dep))
+        elif not dep.dispatched:
+            if dep.cell is None:
+                return False
+            conds.append((True, dep))
+    if conds:
+        _pend(engine, body, op, conds)
+    else:
+        _dispatch(((engine, body, op),), ())
+    return True
 
 
 def _pend(engine: Engine, body: list[Command], op: Op, conds: list[tuple[bool, Op]]) -> None:

@@ -36,6 +36,8 @@ _log = logging.getLogger("aruntime")
 
 WAIT, SIGNAL, TIMESTAMP, EXEC, COPY = range(5)  # the engine relies on this order: control commands first
 Command = tuple[Any, ...]
+Later = list[tuple[bool, Callable[[], None], object]] | tuple[()]
+"""What waits for a held op: ``(on_dispatch, callback, where)`` each; the empty tuple while nothing does."""
 CopyFn = Callable[[int, int, int], object]
 
 
@@ -141,7 +143,7 @@ class Op:
     the ops it depends on allow it (see :meth:`BaseDevice.copyin`'s ``hold``).
     Its ``value`` is then :data:`HELD`. A held op is *pending in the native core*
     when it has a ``cell``: the core hands it to its queue itself, from the
-    thread that meets its last dependency, and writes its value there; Python
+    thread that meets its last dependency, and writes its value at ``cell[at]``; Python
     takes that value when it next looks at the op (:meth:`_resolve`).
 
     What an engine uses: ``cmds`` (the commands to run, until done), ``deps``
@@ -152,6 +154,7 @@ class Op:
     """
 
     __slots__ = (
+        "at",
         "cell",
         "cmds",
         "deps",
@@ -178,10 +181,11 @@ class Op:
         self.error: BaseException | None = None
         self.observed = False
         self.engine: Engine | None = None
-        self.cmds: list[Command] | None = None  # held from submission until the op has run
+        self.cmds: Sequence[Command] | None = None  # held from submission until the op has run
         self.value = 0
-        self.later: list[tuple[bool, Callable[[], None], object]] | None = None  # held: (on_dispatch, callback, where)
-        self.cell: array[int] | None = None  # pending in the native core: where it writes the op's value
+        self.later: Later | None = None  # held: (on_dispatch, callback, where); () until something waits
+        self.cell: array[int] | None = None  # pending in the native core: the array where it writes the op's value,
+        self.at = 0  # at this index (ops share an array: no tracked object per op)
         self.pend = 0  # pending in the native core: its record there
         self.gate: array[int] | None = None  # submitted in a request: see skip_error
         self.id = next(op_ids)
@@ -199,7 +203,7 @@ class Op:
         """For an op pending in the native core: whether the core has handed it to its queue; if so, take its
         value (or abandon it, if its engine had stopped) and run what waited for its dispatch."""
         assert self.cell is not None and self.engine is not None
-        value = self.cell[0]
+        value = self.cell[self.at]
         if not value:
             return False
         engine = self.engine
@@ -213,21 +217,21 @@ class Op:
             self.value = value
             later, self.later = self.later, None
         engine.held.discard(self)
-        _run_later(engine, self, later or [])
+        _run_later(engine, self, later or ())
         return True
 
     def hold(self, engine: Engine) -> None:
         """Bind the op to ``engine`` without handing it over yet (see :meth:`Engine.push`)."""
         self.engine = engine
         self.value = HELD
-        self.later = []
+        self.later = ()  # a list once something waits for it: no tracked object per op until then
         engine.held.add(self)
 
     def abandon(self, engine: Engine, error: BaseException) -> None:
         """Fail an op that can no longer be handed to ``engine`` (it was closed while the op was held): the op
         counts as done, with ``error``, and whatever waited for its dispatch or its end runs now."""
         with _later_lock:
-            later, self.later = self.later or [], None
+            later, self.later = self.later or (), None
             engine._fail(self, error)  # an OpError naming the op and queue, ``error`` its cause
             self.engine = engine
             self.value = 0  # done: every timeline is at 0 or beyond
@@ -248,8 +252,13 @@ class Op:
         if self.value == HELD:
             with _later_lock:
                 if self.value == HELD:
-                    assert self.later is not None
-                    self.later.append((on_dispatch, callback, None if on_dispatch else signal.here()))
+                    later = self.later
+                    assert later is not None
+                    item = (on_dispatch, callback, None if on_dispatch else signal.here())
+                    if isinstance(later, list):
+                        later.append(item)
+                    else:
+                        self.later = [item]
                     return
         if on_dispatch:
             callback()
@@ -497,7 +506,7 @@ class Engine:
         value = self.signal.value
         started, busy, queued_hist, run_hist = self.counters()
         last = self.last
-        held = sum(1 for op in list(self.held) if op.cell is None or not op.cell[0])  # not yet handed on
+        held = sum(1 for op in list(self.held) if op.cell is None or not op.cell[op.at])  # not yet handed on
         now = time.monotonic_ns()
         mark, mark_busy = self._mark
         self._mark = (now, busy)
@@ -597,7 +606,7 @@ class Engine:
         """Called once, under the engine's lock, when it closes: let whatever executes finish and end."""
 
 
-def _run_later(engine: Engine, op: Op, later: list[tuple[bool, Callable[[], None], object]]) -> None:
+def _run_later(engine: Engine, op: Op, later: Later) -> None:
     """Once ``op`` has been handed to ``engine``: run what waited for that, pass on what waits for its end."""
     for on_dispatch, callback, where in later:
         if on_dispatch:

@@ -52,13 +52,13 @@ class AccessLog:
         live = []
         for entry in self.entries:
             s, e, w, other = entry
-            if not _matters(w, other):
-                continue  # finished and valid: nothing to order after or to inherit
-            overlap = s < end and start < e
-            if other.done():  # a failed write
-                if consumes and overlap and other not in inputs:
+            if other.done():
+                if not w or other.error is None:
+                    continue  # finished and valid: nothing to order after or to inherit
+                if consumes and s < end and start < e and other not in inputs:  # a failed write
                     inputs.append(other)
             else:
+                overlap = s < end and start < e
                 if (write or w) and overlap and other not in deps and other is not op:
                     deps.append(other)
                 if consumes and w and overlap and other not in inputs and other is not op:

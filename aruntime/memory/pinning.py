@@ -7,6 +7,7 @@ import re
 from typing import Any, ClassVar
 
 from aruntime.errors import BufferUsageError
+from aruntime.helpers import bytes_address
 
 
 class _PyBuffer(ctypes.Structure):
@@ -34,10 +35,6 @@ _release_buffer.restype = None
 _PYBUF_WRITABLE = 0x0001
 _PYBUF_FORMAT = 0x0004
 _PYBUF_ND = 0x0008  # with the format, exporters such as memoryview also want the shape asked for
-
-
-def _bytes_address(data: bytes) -> int | None:
-    return ctypes.cast(data, ctypes.c_void_p).value  # type: ignore[arg-type]  # bytes pass as char *
 
 
 class _Export:
@@ -96,7 +93,7 @@ def pin(obj: object, writable: bool = False) -> Pin:
     see :func:`refuse_pointers`).
     """
     if type(obj) is bytes and not writable:  # immutable and referenced: its address cannot change
-        return obj, _bytes_address(obj) or 0, len(obj)
+        return obj, bytes_address(obj), len(obj)
     try:
         view = memoryview(obj)  # type: ignore[arg-type]  # our own view: its export outlives the caller's release()
         # the view holds the export for as long as it lives; the anchor only reads the address

@@ -49,6 +49,7 @@ from aruntime.engine.ops import (
 )
 from aruntime.errors import OpError, SignalTimeout
 from aruntime.events import RangeEvent, RangeLog, recorder
+from aruntime.helpers import bytes_address
 
 K_WAIT, K_SIGNAL, K_TIMESTAMP, K_COPY, K_EXEC, K_NOP, K_CHECK, K_PY, K_STOP = range(9)
 F_END, F_RECORD = 1, 2
@@ -72,6 +73,10 @@ def default_spin_ns() -> int:
     """:data:`SPIN_NS` where this process may run on more than one CPU, else 0."""
     allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
     return SPIN_NS if len(allowed) > 1 else 0
+
+
+CELLS = 512
+"""The cells (words where the core writes the value of an op pending in it) allocated together, in one array."""
 
 
 _log = logging.getLogger("aruntime")
@@ -118,6 +123,23 @@ def _work_record(cmd: Command, kind: int, flags: int, op_id: int, index: int, ga
     if kind == K_COPY:
         return _RECORD.pack(K_COPY, flags, cmd[3], cmd[4], cmd[5], gate, 0, op_id, name, index)
     return _RECORD.pack(kind, flags, 0, 0, 0, gate, 0, op_id, name, index)
+
+
+def _as_run(cmd: Command, kind: int) -> Command:
+    """What an op keeps of a kernel or copy command the core runs by itself (``kind``): the command with its
+    function replaced by the entry's address (a kernel: its packed arguments stay) or None (a copy). Its parts
+    are then numbers, strings and ``bytes``, as a kernel's arguments usually are, so that the garbage collector
+    stops tracking the op's commands (a list and a tuple per op in flight otherwise)."""
+    if kind == K_EXEC:
+        return (EXEC, cmd[1], cmd[2].address, cmd[3])
+    return (COPY, cmd[1], None, cmd[3], cmd[4], cmd[5])
+
+
+def _cell_address(op: Op) -> int:
+    """The address of the word the core writes a pending ``op``'s value into (see :attr:`Op.cell`)."""
+    cell = op.cell
+    assert cell is not None
+    return int(cell.buffer_info()[0]) + 8 * op.at
 
 
 def _u64s(address: int, count: int) -> memoryview:
@@ -201,10 +223,13 @@ class NativeEngine(Engine):
         self.ranges.bind(lib, eng)
         self._submit = lib.ar_submit
         self._handle = ctypes.c_void_p(eng)  # passed as it is: no argument conversion per submission
-        self._inflight: deque[tuple[Op, list[Any] | None]] = deque()
+        self._inflight: deque[tuple[Op, Sequence[Any] | None]] = deque()
         self._failed: dict[int, tuple[int, int, int]] = {}  # op value -> (command index, kind, status)
         self._python: dict[int, Op] = {}  # op id -> op, for ops with commands the Python thread runs
-        self._pended: list[tuple[Op, list[Any] | None]] = []  # ops pending in the core, not yet retired
+        self._pended: list[Op] = []  # ops pending in the core, not yet retired
+        self._pended_keep: list[Sequence[Any] | None] = []  # what each keeps alive (no tuple per op: see pend)
+        self._cells = array("Q")  # the array the cells of new pending ops are taken from, CELLS at a time
+        self._cell_at = CELLS  # the next free one in it (CELLS: none left)
         self._pended_at = -1  # the signal value _pended was last looked through at (-1: changed since)
         self._thread: threading.Thread | None = None
         self._retire_lock = threading.Lock()
@@ -269,37 +294,52 @@ class NativeEngine(Engine):
             op.engine = self
             op.cmds = cmds
             records, count, keep = self._pack(cmds, op)
-            cell = op.cell = array("Q", [0])
-            pend = lib.ar_pend_new(self.address, records, count, cell.buffer_info()[0])
+            at = self._cell_at  # the op's cell: a word of an array shared with other ops (no object per op)
+            if at == CELLS:
+                self._cells, at = array("Q", bytes(8 * CELLS)), 0
+            self._cell_at = at + 1
+            op.cell, op.at = self._cells, at
+            pend = lib.ar_pend_new(self.address, records, count, _cell_address(op))
             if not pend:
                 self._python.pop(op.id, None)
                 raise MemoryError(f"{op.name}: no memory for the commands of {self.signal.name}")
             op.pend = pend
             op.hold(self)
-            with self._retire_lock:  # retire() replaces the list
-                self._pended.append((op, keep))
+            with self._retire_lock:  # retire() replaces the lists
+                self._pended.append(op)
+                self._pended_keep.append(keep)
                 self._pended_at = -1
         for on_dispatch, dep in blockers:
             dep_engine = dep.engine
             assert isinstance(dep_engine, NativeEngine)
             if dep.cell is not None and dep.value == HELD:
-                lib.ar_pend_on_pend(pend, dep.pend, dep.cell.buffer_info()[0], dep_engine.address, not on_dispatch)
+                lib.ar_pend_on_pend(pend, dep.pend, _cell_address(dep), dep_engine.address, not on_dispatch)
             elif not on_dispatch:
                 assert isinstance(dep_engine.signal, NativeSignal)
                 lib.ar_pend_on_sig(pend, dep_engine.signal.ptr, dep.value)
         lib.ar_pend_go(pend)
 
-    def _pack(self, cmds: list[Command], op: Op) -> tuple[bytes, int, list[Any] | None]:
+    def _pack(self, cmds: list[Command], op: Op) -> tuple[bytes, int, Sequence[Any] | None]:
         """The ring records of ``op``'s commands (their value is set by the core), how many, and what must be
-        kept alive until the op has run."""
+        kept alive until the op has run (a tuple: of bytes only, unless the op takes timestamps, so that the
+        garbage collector stops tracking it)."""
         op_id = op.id
         record = F_RECORD if recorder.enabled else 0
         checked = not op.inputs
         gate = 0 if op.gate is None else op.gate.buffer_info()[0]
-        if checked and len(cmds) == 1 and cmds[0][0] >= EXEC:  # most ops: one kernel or copy
-            kind = _work_kind(cmds[0])
+        if len(cmds) == 1 and cmds[0][0] >= EXEC:  # most ops: one kernel or copy
+            cmd = cmds[0]
+            kind = _work_kind(cmd)
             if kind != K_PY:
-                return _work_record(cmds[0], kind, F_END | record, op_id, 0, gate), 1, None
+                pairs = None if checked else self._check_pairs(op)
+                run = _work_record(cmd, kind, F_END | record, op_id, 0, gate if pairs is None else 0)
+                if op.cmds is cmds and kind in (K_EXEC, K_COPY):
+                    op.cmds = (_as_run(cmd, kind),)
+                if pairs is None:
+                    return run, 1, None
+                self._python_runs(op)  # the cells the pairs name are kept alive by the inputs' ops
+                address, count = bytes_address(pairs), len(pairs) // 16
+                return _RECORD.pack(K_CHECK, 0, address, count, 0, gate, 0, op_id, 0, CHECK_BIT) + run, 2, (pairs,)
         pack = _RECORD.pack
         keep: list[Any] | None = None
         last = len(cmds) - 1
@@ -329,20 +369,19 @@ class NativeEngine(Engine):
             if not checked:
                 checked = True
                 pairs = self._check_pairs(op)
-                if pairs is not None:
+                if pairs is not None:  # the cells it names are kept alive by the inputs' ops (``op.inputs``)
                     keep = keep or []
                     keep.append(pairs)
-                    keep.extend(dep.cell for dep in op.inputs if dep.cell is not None)
                     self._python_runs(op)
-                    address, count = pairs.buffer_info()
-                    add(pack(K_CHECK, 0, address, count // 2, 0, gate, 0, op_id, 0, i | CHECK_BIT))
+                    add(pack(K_CHECK, 0, bytes_address(pairs), len(pairs) // 16, 0, gate, 0, op_id, 0, i | CHECK_BIT))
                     gate = 0
             work = _work_kind(cmd)
             if work == K_PY:
                 self._python_runs(op)
             add(_work_record(cmd, work, flags | record, op_id, i, gate))
             gate = 0
-        return records[0] if len(records) == 1 else b"".join(records), len(records), keep
+        packed = records[0] if len(records) == 1 else b"".join(records)
+        return packed, len(records), None if keep is None else tuple(keep)
 
     def _python_runs(self, op: Op) -> None:
         """Let the engine's Python thread (started now if need be) find ``op`` (before its command is pushed)."""
@@ -352,9 +391,9 @@ class NativeEngine(Engine):
             self._thread.daemon = True
             self._thread.start()
 
-    def _check_pairs(self, op: Op) -> array[int] | None:
-        """The (engine address, value) pairs the worker checks before the op's first copy or kernel, or None if
-        none of its inputs can still fail it. A pair (0, 0) makes the worker ask Python."""
+    def _check_pairs(self, op: Op) -> bytes | None:
+        """The (engine address, value) pairs the worker checks before the op's first copy or kernel (as native
+        words), or None if none of its inputs can still fail it. A pair (0, 0) makes the worker ask Python."""
         pairs = array("Q")
         for dep in op.inputs:
             if dep.done():
@@ -365,10 +404,10 @@ class NativeEngine(Engine):
             if not isinstance(engine, NativeEngine):
                 pairs.extend((0, 0))
             elif dep.value == HELD and dep.cell is not None:  # its value is read from its cell (kept with pairs)
-                pairs.extend((engine.address, dep.cell.buffer_info()[0] | TAG))
+                pairs.extend((engine.address, _cell_address(dep) | TAG))
             else:
                 pairs.extend((engine.address, dep.value))
-        return pairs if pairs else None
+        return pairs.tobytes() if pairs else None
 
     def yield_to(self, high: Engine) -> None:
         """Let ``high`` go first (see :meth:`Engine.yield_to`): the worker checks it at each op boundary."""
@@ -435,23 +474,25 @@ class NativeEngine(Engine):
                 op, keep = inflight.popleft()
                 self._retire_op(op, op.value, keep, failed)
             if self._pended and (self._pended_at != reached or self.closed):  # else nothing new can be done
-                pended = []
-                for op, keep in self._pended:
+                pended: list[Op] = []
+                pended_keep: list[Sequence[Any] | None] = []
+                for op, keep in zip(self._pended, self._pended_keep, strict=True):
                     cell = op.cell
                     assert cell is not None
-                    value = cell[0]
+                    value = cell[op.at]
                     if value == ABANDONED:
                         op.keep = op.cmds = None
                     elif value and value <= reached:
                         self._retire_op(op, value, keep, failed)
                     else:
-                        pended.append((op, keep))
-                self._pended = pended
+                        pended.append(op)
+                        pended_keep.append(keep)
+                self._pended, self._pended_keep = pended, pended_keep
                 self._pended_at = reached
         for op in failed:
             self._note_failure(op)
 
-    def _retire_op(self, op: Op, value: int, keep: list[Any] | None, failed: list[Op]) -> None:
+    def _retire_op(self, op: Op, value: int, keep: Sequence[Any] | None, failed: list[Op]) -> None:
         failure = self._failed.pop(value, None) if self._failed else None
         if failure is not None:
             self._set_error(op, *failure)
@@ -467,7 +508,7 @@ class NativeEngine(Engine):
 
     def failure_logged(self, op: Op) -> bool:
         """Whether the core has logged ``op``'s failure (it does before it publishes the op's value)."""
-        value = op.value if op.value != HELD or op.cell is None else op.cell[0]
+        value = op.value if op.value != HELD or op.cell is None else op.cell[op.at]
         if not value or value in (HELD, ABANDONED):
             return False
         with self._retire_lock:

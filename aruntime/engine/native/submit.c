@@ -49,10 +49,10 @@ static PyTypeObject *g_buffer_type;
 static PyObject *g_recorder, *g_dispatch, *g_zeroed, *g_typed;
 
 /* offsets of the Op's slots */
-enum { S_CELL, S_CMDS, S_DEPS, S_ENGINE, S_ERROR, S_GATE, S_ID, S_INPUTS, S_KEEP, S_LATER, S_NAME, S_OBSERVED,
-       S_PEND, S_RESULT, S_VALUE, N_SLOTS };
-static const char *slot_names[N_SLOTS] = {"cell", "cmds", "deps", "engine", "error", "gate", "id", "inputs",
-                                          "keep", "later", "name", "observed", "pend", "result", "value"};
+enum { S_AT, S_CELL, S_CMDS, S_DEPS, S_ENGINE, S_ERROR, S_GATE, S_ID, S_INPUTS, S_KEEP, S_LATER, S_NAME,
+       S_OBSERVED, S_PEND, S_RESULT, S_VALUE, N_SLOTS };
+static const char *slot_names[N_SLOTS] = {"at",   "cell",   "cmds", "deps",     "engine", "error",  "gate", "id",
+                                          "inputs", "keep", "later", "name", "observed", "pend", "result", "value"};
 static Py_ssize_t g_off[N_SLOTS];
 
 #define SLOT(op, s) (*(PyObject **)((char *)(op) + g_off[s]))
@@ -259,6 +259,7 @@ static PyObject *new_op(PyObject *name, PyObject *keep, PyObject *result) {
   set_slot(op, S_VALUE, zero);
   set_slot(op, S_LATER, Py_None);
   set_slot(op, S_CELL, Py_None);
+  set_slot(op, S_AT, zero);
   set_slot(op, S_PEND, zero);
   set_slot(op, S_GATE, Py_None);
   set_slot(op, S_ID, id);
@@ -506,8 +507,21 @@ static int append_records(PyObject *engine, PyObject *op, PyObject *cmds, PyObje
     Py_XDECREF(head);
     if (r == -2 || PyErr_Occurred()) goto out;
   }
+  /* a lone kernel or copy is kept as numbers, strings and bytes (NativeEngine._pack's _as_run), which the garbage
+   * collector stops tracking */
+  PyObject *kept = cmds;
+  if (n == 1 && (rec->kind == K_EXEC || rec->kind == K_COPY)) {
+    PyObject *cmd = PyList_GET_ITEM(cmds, 0);
+    kept = rec->kind == K_EXEC
+               ? Py_BuildValue("((iOKO))", C_EXEC, PyTuple_GET_ITEM(cmd, 1), (unsigned long long)rec->a,
+                               PyTuple_GET_ITEM(cmd, 3))
+               : Py_BuildValue("((iOOKKK))", C_COPY, PyTuple_GET_ITEM(cmd, 1), Py_None, (unsigned long long)rec->a,
+                               (unsigned long long)rec->b, (unsigned long long)rec->c);
+    if (!kept) goto out;
+  }
   set_slot(op, S_ENGINE, engine);
-  set_slot(op, S_CMDS, cmds);
+  set_slot(op, S_CMDS, kept);
+  if (kept != cmds) Py_DECREF(kept);
   if (deps && PyList_GET_SIZE(deps)) set_slot(op, S_DEPS, deps);
   engine_state *st = state_of(engine);
   uint64_t value = st ? g_submit(st->core, recs, (uint32_t)nrec) : 0;
