@@ -45,8 +45,8 @@ def _python_path(dev: BaseDevice) -> None:
 
 async def _program(dev: BaseDevice, seed: int) -> tuple[list[tuple[Any, ...]], list[bytes]]:
     """Submit a seeded random program of eager copy-ins, kernels and copy-outs behind a closed gate that holds
-    both queues (nothing finishes while it is submitted); return each op's shape as submitted (queue, value past the gate's,
-    the indices of its dependencies and inputs, its command kinds) and the bytes the buffers end with."""
+    both queues (nothing finishes while it is submitted); return each op's shape as submitted (queue, value past
+    the gate's, the indices of its dependencies and inputs, its command kinds) and the bytes the buffers end with."""
     gate, flag = await closed_gate(dev)
     add = await dev.compile(ADD_ONE, outs=(0,))
     big = dev.inline_copy_max + 4  # too big to ride on the compute queue
