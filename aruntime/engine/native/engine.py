@@ -79,6 +79,11 @@ CELLS = 512
 """The cells (words where the core writes the value of an op pending in it) allocated together, in one array."""
 
 
+def new_cells() -> array[int]:
+    """A new array of :data:`CELLS` cells, zeroed (see :meth:`NativeEngine.pend`)."""
+    return array("Q", bytes(8 * CELLS))
+
+
 _log = logging.getLogger("aruntime")
 _names: dict[str, int] = {}
 _name_list: list[str] = []
@@ -296,7 +301,7 @@ class NativeEngine(Engine):
             records, count, keep = self._pack(cmds, op)
             at = self._cell_at  # the op's cell: a word of an array shared with other ops (no object per op)
             if at == CELLS:
-                self._cells, at = array("Q", bytes(8 * CELLS)), 0
+                self._cells, at = new_cells(), 0
             self._cell_at = at + 1
             op.cell, op.at = self._cells, at
             pend = lib.ar_pend_new(self.address, records, count, _cell_address(op))
@@ -464,6 +469,11 @@ class NativeEngine(Engine):
     def retire(self) -> None:
         """Set the errors of finished ops from the native failure log, release what they kept alive and fill in
         their timestamps (on any thread)."""
+        fast = self.fast
+        if fast is None or not fast.retire(self):  # the same, in C, where no failure or timestamp is to be set
+            self._retire()
+
+    def _retire(self) -> None:
         failed: list[Op] = []
         with self._retire_lock:
             reached = self.signal.value

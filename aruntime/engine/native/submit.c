@@ -32,21 +32,31 @@ typedef struct {
 } ar_cmd; /* as core.c's */
 
 typedef uint64_t (*submit_fn)(void *, const ar_cmd *, uint32_t);
+typedef void *(*pend_new_fn)(void *, const ar_cmd *, uint32_t, uint64_t *);
+typedef void (*pend_on_sig_fn)(void *, void *, uint64_t);
+typedef void (*pend_on_pend_fn)(void *, void *, uint64_t *, void *, int);
+typedef void (*pend_go_fn)(void *);
 
 enum { K_WAIT = 0, K_COPY = 3, K_EXEC = 4, K_NOP = 5, K_CHECK = 6 };
 enum { C_WAIT = 0, C_EXEC = 3, C_COPY = 4 }; /* command kinds of the Python side (ops.py) */
 #define F_END 1u
 #define CHECK_BIT (1u << 31)
+#define TAG (1ull << 63) /* in a dependency check's pair: the value is read from the cell at this address */
 #define MAX_WAITS 8
 #define MAX_RECORDS (MAX_WAITS + 2)
 #define RETIRE_EVERY 64
 
 static submit_fn g_submit;
-static uint64_t g_held;
+static pend_new_fn g_pend_new;
+static pend_on_sig_fn g_pend_on_sig;
+static pend_on_pend_fn g_pend_on_pend;
+static pend_go_fn g_pend_go;
+static Py_ssize_t g_cells;
+static uint64_t g_held, g_abandoned;
 static PyTypeObject *g_op_type, *g_native_type, *g_entry_type;
 static PyObject *g_nothing, *g_native_copies, *g_op_ids, *g_protect, *g_wait_kind;
 static PyTypeObject *g_buffer_type;
-static PyObject *g_recorder, *g_dispatch, *g_zeroed, *g_typed;
+static PyObject *g_recorder, *g_dispatch, *g_zeroed, *g_typed, *g_new_cells;
 
 /* offsets of the Op's slots */
 enum { S_AT, S_CELL, S_CMDS, S_DEPS, S_ENGINE, S_ERROR, S_GATE, S_ID, S_INPUTS, S_KEEP, S_LATER, S_NAME,
@@ -79,10 +89,11 @@ static void set_slot(PyObject *op, int s, PyObject *value) {
 }
 
 static PyObject *s_log, *s_offset, *s_nbytes, *s_entries, *s_signal, *s_ptr, *s_timeout, *s_closed, *s_lock,
-    *s_inflight, *s_retire, *s_done, *s_dispatched, *s_address, *s_python, *s_thread, *s_python_runs,
+    *s_inflight, *s_done, *s_dispatched, *s_address, *s_python, *s_thread, *s_python_runs,
     *s_check_open, *s_acquire, *s_release, *s_append, *s_failures_seen, *s_failed, *s_state, *s_open,
     *s_enabled, *s_device, *s_plan, *s_outs, *s_name, *s_compute, *s_copy, *s_base, *s_handle, *s_generation,
-    *s_owner, *s_dtype, *s_copy_fn, *s_inline, *s_fast_state, *s_retire_lock, *s_popleft, *s_gate, *s_admit;
+    *s_owner, *s_dtype, *s_copy_fn, *s_inline, *s_fast_state, *s_retire_lock, *s_popleft, *s_gate, *s_admit, *s_pended, *s_pended_keep, *s_pended_at,
+    *s_retire_python, *s_cell_at, *s_cells, *s_held;
 
 /* ---- engines: what never changes while a native engine lives, in a capsule it holds (its `_fast_state`) ---- */
 
@@ -306,85 +317,224 @@ static int work_record(PyObject *cmd, ar_cmd *rec) {
 }
 
 
-/* NativeEngine.retire for the ops at the head of `inflight` that its signal has passed (`reached`, read before
- * this is called): where no failure is left to set (the core logs one before it publishes the failed op's value)
- * and no op has commands the Python thread runs, it clears what they hold as _retire_op does, under the same
- * lock; anything else (and an op that takes timestamps) is NativeEngine.retire's. 0, or -1 on error. */
-static int retire_head(PyObject *engine, PyObject *inflight, uint64_t reached) {
-  int settled = failures_settled(engine);
-  if (settled < 0) return -1;
-  int plain = settled;
-  if (plain) {
-    PyObject *python = PyObject_GetAttr(engine, s_python);
-    if (!python) return -1;
-    plain = PyDict_Check(python) && PyDict_GET_SIZE(python) == 0;
-    Py_DECREF(python);
+static PyObject *call_lock(PyObject *engine, PyObject *method) {
+  PyObject *lock = PyObject_GetAttr(engine, s_lock);
+  if (!lock) return NULL;
+  PyObject *r = PyObject_CallMethodNoArgs(lock, method);
+  Py_DECREF(lock);
+  return r;
+}
+
+static int engine_closed(PyObject *engine) {
+  PyObject *closed = PyObject_GetAttr(engine, s_closed);
+  if (!closed) return -1;
+  int truth = PyObject_IsTrue(closed);
+  Py_DECREF(closed);
+  return truth;
+}
+
+/* Whether `keep` (what an op's records keep alive) holds a timestamp slot to fill in (a tuple): Python's. */
+static int takes_timestamps(PyObject *keep) {
+  if (keep == Py_None) return 0;
+  if (!PyTuple_Check(keep) && !PyList_Check(keep)) return 1;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(keep); i++)
+    if (PyTuple_Check(PySequence_Fast_ITEMS(keep)[i])) return 1;
+  return 0;
+}
+
+/* What _retire_op clears on a finished op of a settled engine (`python`: its dict of the ops the Python thread
+ * may be asked about). 0, or -1 on error. */
+static int clear_op(PyObject *op, PyObject *empty, PyObject *python) {
+  if (PyDict_GET_SIZE(python) && PyDict_DelItem(python, SLOT(op, S_ID))) {
+    if (!PyErr_ExceptionMatches(PyExc_KeyError)) return -1;
+    PyErr_Clear();
   }
-  PyObject *lock = plain ? PyObject_GetAttr(engine, s_retire_lock) : NULL;
+  set_slot(op, S_KEEP, Py_None);
+  set_slot(op, S_CMDS, Py_None);
+  set_slot(op, S_DEPS, empty);
+  set_slot(op, S_INPUTS, empty);
+  return 0;
+}
+
+/* The ops pending in the core (`_pended`, with `_pended_keep`) that the signal has passed (`reached`), retired as
+ * NativeEngine.retire does: 1 done, 0 Python's (an op that takes timestamps, lists not as Python keeps them),
+ * -1. Under the retire lock; nothing is changed unless it returns 1. */
+static int retire_pended(PyObject *engine, uint64_t reached, PyObject *empty, PyObject *python) {
+  PyObject *ops = PyObject_GetAttr(engine, s_pended), *keeps = ops ? PyObject_GetAttr(engine, s_pended_keep) : NULL;
+  PyObject *at = keeps ? PyObject_GetAttr(engine, s_pended_at) : NULL;
+  PyObject *left = NULL, *left_keep = NULL, *cells = NULL;
+  int rc = -1;
+  if (!at) goto out;
+  rc = 0;
+  if (!PyList_Check(ops) || !PyList_Check(keeps) || PyList_GET_SIZE(ops) != PyList_GET_SIZE(keeps)) goto out;
+  Py_ssize_t n = PyList_GET_SIZE(ops);
+  rc = 1;
+  if (!n) goto out;
+  unsigned long long seen = PyLong_AsUnsignedLongLong(at); /* -1 (changed since) reads as an error: look */
+  if (PyErr_Occurred()) PyErr_Clear();
+  else if (seen == reached) {
+    rc = -1;
+    int stopped = engine_closed(engine);
+    if (stopped < 0) goto out;
+    rc = 1;
+    if (!stopped) goto out; /* nothing new can be done */
+  }
+  rc = -1;
+  left = PyList_New(0);
+  left_keep = left ? PyList_New(0) : NULL;
+  if (!left_keep) goto out;
+  PyObject *cell_obj = NULL;
+  const uint64_t *cell = NULL;
+  Py_ssize_t cell_len = 0;
+  for (Py_ssize_t i = 0; i < n; i++) { /* first, whether every op is one this can retire */
+    PyObject *op = PyList_GET_ITEM(ops, i);
+    if (!is_op(op, "a queue's pending ops")) goto out;
+    if (takes_timestamps(PyList_GET_ITEM(keeps, i))) {
+      rc = 0;
+      goto out;
+    }
+  }
+  for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject *op = PyList_GET_ITEM(ops, i), *keep = PyList_GET_ITEM(keeps, i);
+    PyObject *c = SLOT(op, S_CELL);
+    if (c != cell_obj) { /* ops share cell arrays: read each one's memory once */
+      Py_buffer view;
+      if (PyObject_GetBuffer(c, &view, PyBUF_SIMPLE)) goto out;
+      cell = view.buf;
+      cell_len = view.len / 8;
+      PyBuffer_Release(&view); /* the array is never resized: its words stay where they are */
+      cell_obj = c;
+      Py_XSETREF(cells, Py_NewRef(c));
+    }
+    Py_ssize_t index = PyLong_AsSsize_t(SLOT(op, S_AT));
+    if (index < 0 || index >= cell_len) {
+      if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "%R: its cell is out of range", op);
+      goto out;
+    }
+    uint64_t value = __atomic_load_n(&cell[index], __ATOMIC_ACQUIRE);
+    if (value == g_abandoned) {
+      set_slot(op, S_KEEP, Py_None);
+      set_slot(op, S_CMDS, Py_None);
+    } else if (value && value <= reached) {
+      if (clear_op(op, empty, python)) goto out;
+    } else if (PyList_Append(left, op) || PyList_Append(left_keep, keep)) {
+      goto out;
+    }
+  }
+  PyObject *now = PyLong_FromUnsignedLongLong(reached);
+  if (!now) goto out;
+  int set = PyObject_SetAttr(engine, s_pended, left) || PyObject_SetAttr(engine, s_pended_keep, left_keep) ||
+            PyObject_SetAttr(engine, s_pended_at, now);
+  Py_DECREF(now);
+  rc = set ? -1 : 1;
+out:
+  Py_XDECREF(cells);
+  Py_XDECREF(left_keep);
+  Py_XDECREF(left);
+  Py_XDECREF(at);
+  Py_XDECREF(keeps);
+  Py_XDECREF(ops);
+  return rc;
+}
+
+/* NativeEngine.retire where no failure is left to set (the core logs one before it publishes the failed op's
+ * value, and `reached` is read before this looks): the finished ops at the head of its `_inflight` and among
+ * those pending in its core are cleared as _retire_op does, under the same lock. 1 done, 0 Python's (a failure
+ * to set, an op that takes timestamps), -1. */
+static int retire_plain(PyObject *engine, uint64_t reached) {
+  int settled = failures_settled(engine);
+  if (settled <= 0) return settled;
+  PyObject *python = PyObject_GetAttr(engine, s_python);
+  if (!python) return -1;
+  if (!PyDict_Check(python)) {
+    Py_DECREF(python);
+    return 0;
+  }
+  PyObject *lock = PyObject_GetAttr(engine, s_retire_lock);
   PyObject *r = lock ? PyObject_CallMethodNoArgs(lock, s_acquire) : NULL;
-  if (plain && !r) {
+  if (!r) {
     Py_XDECREF(lock);
+    Py_DECREF(python);
     return -1;
   }
-  Py_XDECREF(r);
-  PyObject *empty = PyTuple_New(0);
-  int rc = empty ? 0 : -1;
-  while (plain && !rc) {
+  Py_DECREF(r);
+  PyObject *empty = PyTuple_New(0), *inflight = empty ? PyObject_GetAttr(engine, s_inflight) : NULL;
+  int rc = inflight ? 1 : -1;
+  while (rc == 1) {
     Py_ssize_t n = PyObject_Length(inflight);
     if (n <= 0) {
       if (n < 0) rc = -1;
       break;
     }
     PyObject *head = PySequence_GetItem(inflight, 0);
-    if (!head) {
+    if (!head || !PyTuple_Check(head) || PyTuple_GET_SIZE(head) != 2 || !is_op(PyTuple_GET_ITEM(head, 0), "a queue")) {
+      Py_XDECREF(head);
       rc = -1;
       break;
     }
-    if (!PyTuple_Check(head) || PyTuple_GET_SIZE(head) != 2 || !is_op(PyTuple_GET_ITEM(head, 0), "a queue")) {
-      Py_DECREF(head);
-      rc = -1;
-      break;
-    }
-    PyObject *op = PyTuple_GET_ITEM(head, 0), *keep = PyTuple_GET_ITEM(head, 1);
-    int mine = op_value(op) <= reached && (keep == Py_None || PyList_Check(keep));
-    for (Py_ssize_t i = 0; mine && keep != Py_None && i < PyList_GET_SIZE(keep); i++)
-      if (PyTuple_Check(PyList_GET_ITEM(keep, i))) plain = mine = 0; /* timestamps to fill in: Python's */
-    if (mine) {
+    PyObject *op = PyTuple_GET_ITEM(head, 0);
+    int mine = op_value(op) <= reached, stamps = mine && takes_timestamps(PyTuple_GET_ITEM(head, 1));
+    if (mine && !stamps) {
       PyObject *popped = PyObject_CallMethodNoArgs(inflight, s_popleft);
-      if (popped) {
-        set_slot(op, S_KEEP, Py_None);
-        set_slot(op, S_CMDS, Py_None);
-        set_slot(op, S_DEPS, empty);
-        set_slot(op, S_INPUTS, empty);
-        Py_DECREF(popped);
-      } else {
-        rc = -1;
-      }
+      if (!popped || clear_op(op, empty, python)) rc = -1;
+      Py_XDECREF(popped);
     }
     Py_DECREF(head);
+    if (stamps) rc = 0;
     if (!mine) break;
   }
-  if (lock) {
-    PyObject *type, *value, *traceback;
-    PyErr_Fetch(&type, &value, &traceback);
-    PyObject *released = PyObject_CallMethodNoArgs(lock, s_release);
-    if (!released) rc = -1;
-    Py_XDECREF(released);
-    if (type) PyErr_Restore(type, value, traceback);
-    Py_DECREF(lock);
-  }
+  if (rc == 1) rc = retire_pended(engine, reached, empty, python);
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
+  PyObject *released = PyObject_CallMethodNoArgs(lock, s_release);
+  if (!released) rc = -1;
+  Py_XDECREF(released);
+  if (type) PyErr_Restore(type, value, traceback);
+  Py_DECREF(lock);
+  Py_XDECREF(inflight);
   Py_XDECREF(empty);
-  if (!rc && !plain) { /* what only Python does */
-    PyObject *res = PyObject_CallMethodNoArgs(engine, s_retire);
-    if (!res) return -1;
-    Py_DECREF(res);
-  }
+  Py_DECREF(python);
   return rc;
 }
 
+/* NativeEngine.retire: retire_plain where it can, else the Python method. 0, or -1 on error. */
+static int retire_ops(PyObject *engine, uint64_t reached) {
+  int rc = retire_plain(engine, reached);
+  if (rc) return rc < 0 ? -1 : 0;
+  PyObject *res = PyObject_CallMethodNoArgs(engine, s_retire_python);
+  if (!res) return -1;
+  Py_DECREF(res);
+  return 0;
+}
+
+/* retire(engine): NativeEngine.retire's work in C where it can (see retire_plain): True, or None for Python. */
+static PyObject *retire(PyObject *self, PyObject *engine) {
+  (void)self;
+  if (Py_TYPE(engine) != g_native_type) Py_RETURN_NONE;
+  uint64_t reached;
+  if (signal_value(engine, &reached)) return NULL;
+  int rc = retire_plain(engine, reached);
+  if (rc < 0) return NULL;
+  return Py_NewRef(rc ? Py_True : Py_None);
+}
+
+/* The address of the word the core writes a pending op's value into: its cell array's memory, at its index. */
+static uint64_t *cell_address(PyObject *op) {
+  Py_buffer view;
+  if (PyObject_GetBuffer(SLOT(op, S_CELL), &view, PyBUF_SIMPLE)) return NULL;
+  uint64_t *words = view.buf; /* the array is never resized: its words stay where they are */
+  Py_ssize_t len = view.len / 8, index = PyLong_AsSsize_t(SLOT(op, S_AT));
+  PyBuffer_Release(&view);
+  if (index < 0 || index >= len) {
+    if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "%R: its cell is out of range", op);
+    return NULL;
+  }
+  return words + index;
+}
+
 /* Whether `op` (its inputs recorded) can be appended here: the (engine address, value) pairs of its dependency
- * check into `pairs` (a new bytes object, or NULL where none of its inputs can still fail it). 1, 0 (Python's:
- * an input whose value is in a cell, more than 16 inputs), -1. */
+ * check into `pairs` (a new bytes object, or NULL where none of its inputs can still fail it; an input pending in
+ * its core is named by its cell). 1, 0 (Python's: a held input without a cell, more than 16 inputs), -1. */
 static int check_pairs(PyObject *inputs, PyObject **pairs) {
   *pairs = NULL;
   if (!PyTuple_Check(inputs) && !PyList_Check(inputs)) return 0;
@@ -403,7 +553,12 @@ static int check_pairs(PyObject *inputs, PyObject **pairs) {
       if (SLOT(dep, S_ERROR) == Py_None) continue;
     } else if (Py_TYPE(SLOT(dep, S_ENGINE)) == g_native_type) {
       value = op_value(dep);
-      if (value == g_held) return 0; /* its value is in a cell: the Python path */
+      if (value == g_held) { /* pending in its core: the worker reads its value from its cell */
+        if (SLOT(dep, S_CELL) == Py_None) return 0;
+        uint64_t *cell = cell_address(dep);
+        if (!cell) return -1;
+        value = (uint64_t)(uintptr_t)cell | TAG;
+      }
       engine_state *st = state_of(SLOT(dep, S_ENGINE));
       if (!st) return -1;
       address = (uint64_t)(uintptr_t)st->core;
@@ -416,26 +571,31 @@ static int check_pairs(PyObject *inputs, PyObject **pairs) {
   return 1;
 }
 
-/* NativeEngine._enqueue for `op`, bound for native `engine` with `cmds` (WAIT commands, then one kernel or copy
- * that the worker runs without Python) and no profile recording, under the engine's lock: its records (a wait
- * per WAIT, a dependency check where an input is unfinished, the work, with `gate` on the first that starts it)
- * appended through ar_submit, the op's value set and the op kept in flight. Sets op.engine, op.cmds and, where
- * `deps` is given, op.deps first. 1, 0 before any side effect (Python's), -1 on error. */
-static int append_records(PyObject *engine, PyObject *op, PyObject *cmds, PyObject *deps, uint64_t gate) {
+/* The records of `op`'s `cmds` (WAIT commands, then one kernel or copy that the worker runs without Python), as
+ * NativeEngine._pack makes them: a wait per WAIT, a dependency check where an input is unfinished (the op is then
+ * registered with the engine's Python thread, which the worker asks when an input failed), the work, with
+ * `gate` on the first that starts it; into `recs` (`*nrec` of them), what they keep alive into `*keep` (None or
+ * a new list) and what the op keeps of its commands into `*kept` (a new reference: `cmds`, or a lone kernel or
+ * copy as numbers, strings and bytes, which the garbage collector stops tracking). 1, 0 before any side effect
+ * (Python's), -1. */
+static int build_records(PyObject *engine, PyObject *op, PyObject *cmds, uint64_t gate, ar_cmd *recs, int *nrec,
+                         PyObject **keep, PyObject **kept) {
+  *keep = Py_None;
+  *kept = NULL;
+  *nrec = 0;
   Py_ssize_t n = PyList_GET_SIZE(cmds);
   if (n < 1 || n > MAX_WAITS + 1) return 0;
-  ar_cmd recs[MAX_RECORDS];
-  int kind = work_record(PyList_GET_ITEM(cmds, n - 1), &recs[MAX_RECORDS - 1]);
+  ar_cmd work;
+  int kind = work_record(PyList_GET_ITEM(cmds, n - 1), &work);
   if (kind <= 0) return kind;
   uint64_t id = PyLong_AsUnsignedLongLong(SLOT(op, S_ID));
   if (PyErr_Occurred()) return -1;
-  int nrec = 0;
   for (Py_ssize_t i = 0; i < n - 1; i++) {
     PyObject *cmd = PyList_GET_ITEM(cmds, i);
     if (!PyTuple_Check(cmd) || PyTuple_GET_SIZE(cmd) != 3 || PyTuple_GET_ITEM(cmd, 0) != g_wait_kind) return 0;
     PyObject *ptr = PyObject_GetAttr(PyTuple_GET_ITEM(cmd, 1), s_ptr);
     PyObject *timeout = ptr ? PyObject_GetAttr(PyTuple_GET_ITEM(cmd, 1), s_timeout) : NULL;
-    ar_cmd *rec = &recs[nrec++];
+    ar_cmd *rec = &recs[(*nrec)++];
     memset(rec, 0, sizeof *rec);
     rec->kind = K_WAIT;
     rec->a = ptr ? PyLong_AsUnsignedLongLong(ptr) : 0;
@@ -454,15 +614,9 @@ static int append_records(PyObject *engine, PyObject *op, PyObject *cmds, PyObje
   PyObject *pairs;
   int ok = check_pairs(SLOT(op, S_INPUTS), &pairs);
   if (ok <= 0) return ok;
-  PyObject *keep = Py_None, *item = NULL, *inflight = NULL;
-  int rc = -1;
   uint32_t index = (uint32_t)(n - 1);
-  PyObject *op_id = SLOT(op, S_ID);
   if (pairs) {
-    keep = PyList_New(1);
-    if (!keep) goto out;
-    PyList_SET_ITEM(keep, 0, Py_NewRef(pairs));
-    ar_cmd *rec = &recs[nrec++];
+    ar_cmd *rec = &recs[(*nrec)++];
     memset(rec, 0, sizeof *rec);
     rec->kind = K_CHECK;
     rec->d = gate; /* the first record that starts the op's work reads its request's gate */
@@ -471,69 +625,92 @@ static int append_records(PyObject *engine, PyObject *op, PyObject *cmds, PyObje
     rec->b = (uint64_t)(PyBytes_GET_SIZE(pairs) / 16);
     rec->op = id;
     rec->index = index | CHECK_BIT;
-    /* the worker asks the engine's Python thread when an input failed: it must find the op */
     PyObject *python = PyObject_GetAttr(engine, s_python);
-    if (!python) goto out;
-    int set = PyDict_SetItem(python, op_id, op);
-    Py_DECREF(python);
-    if (set) goto out;
-    PyObject *thread = PyObject_GetAttr(engine, s_thread);
-    if (!thread) goto out;
-    int started = thread != Py_None;
-    Py_DECREF(thread);
-    if (!started) {
+    int failed = !python || PyDict_SetItem(python, SLOT(op, S_ID), op);
+    Py_XDECREF(python);
+    PyObject *thread = failed ? NULL : PyObject_GetAttr(engine, s_thread);
+    if (thread && thread == Py_None) {
       PyObject *r = PyObject_CallMethodOneArg(engine, s_python_runs, op);
-      if (!r) goto out;
-      Py_DECREF(r);
+      if (!r) failed = 1;
+      Py_XDECREF(r);
+    } else if (!thread) {
+      failed = 1;
     }
+    Py_XDECREF(thread);
+    if (failed || !(*keep = PyList_New(1))) {
+      *keep = Py_None;
+      Py_DECREF(pairs);
+      return -1;
+    }
+    PyList_SET_ITEM(*keep, 0, pairs);
   }
-  ar_cmd *rec = &recs[nrec++];
-  *rec = recs[MAX_RECORDS - 1];
+  ar_cmd *rec = &recs[(*nrec)++];
+  *rec = work;
   rec->d = gate;
   rec->flags = F_END;
   rec->op = id;
   rec->index = index;
-  /* NativeEngine._enqueue: retire in batches, then append */
-  inflight = PyObject_GetAttr(engine, s_inflight);
+  if (n == 1 && (rec->kind == K_EXEC || rec->kind == K_COPY)) {
+    PyObject *cmd = PyList_GET_ITEM(cmds, 0);
+    *kept = rec->kind == K_EXEC
+                ? Py_BuildValue("((iOKO))", C_EXEC, PyTuple_GET_ITEM(cmd, 1), (unsigned long long)rec->a,
+                                PyTuple_GET_ITEM(cmd, 3))
+                : Py_BuildValue("((iOOKKK))", C_COPY, PyTuple_GET_ITEM(cmd, 1), Py_None, (unsigned long long)rec->a,
+                                (unsigned long long)rec->b, (unsigned long long)rec->c);
+  } else {
+    *kept = Py_NewRef(cmds);
+  }
+  if (!*kept) {
+    if (*keep != Py_None) Py_DECREF(*keep);
+    *keep = Py_None;
+    return -1;
+  }
+  return 1;
+}
+
+/* Undo build_records' registration of `op` with the engine's Python thread (the op will not run). */
+static void unregister(PyObject *engine, PyObject *op) {
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
+  PyObject *python = PyObject_GetAttr(engine, s_python);
+  if (python && PyDict_Check(python) && PyDict_DelItem(python, SLOT(op, S_ID))) PyErr_Clear();
+  Py_XDECREF(python);
+  PyErr_Clear();
+  PyErr_Restore(type, value, traceback);
+}
+
+/* NativeEngine._enqueue for `op`, bound for native `engine` with `cmds` and no profile recording, under the
+ * engine's lock: its records (build_records) appended through ar_submit, the op's value set and the op kept in
+ * flight; finished ops retired in batches first. Sets op.engine, op.cmds and, where `deps` is given, op.deps.
+ * 1, 0 before any side effect (Python's), -1 on error. */
+static int append_records(PyObject *engine, PyObject *op, PyObject *cmds, PyObject *deps, uint64_t gate) {
+  ar_cmd recs[MAX_RECORDS];
+  int nrec;
+  PyObject *keep, *kept;
+  int ok = build_records(engine, op, cmds, gate, recs, &nrec, &keep, &kept);
+  if (ok <= 0) return ok;
+  PyObject *item = NULL, *inflight = PyObject_GetAttr(engine, s_inflight);
+  int rc = -1;
   if (!inflight) goto out;
   Py_ssize_t queued = PyObject_Length(inflight);
-  if (queued >= RETIRE_EVERY) {
+  if (queued >= RETIRE_EVERY) { /* NativeEngine._enqueue: retire in batches, then append */
     PyObject *head = PySequence_GetItem(inflight, 0);
     uint64_t reached;
     int r = head ? signal_value(engine, &reached) : -2;
     if (r == 0 && (!PyTuple_Check(head) || PyTuple_GET_SIZE(head) != 2 || !is_op(PyTuple_GET_ITEM(head, 0), "a queue")))
       r = -2;
-    if (r == 0 && op_value(PyTuple_GET_ITEM(head, 0)) <= reached && retire_head(engine, inflight, reached)) r = -2;
+    if (r == 0 && op_value(PyTuple_GET_ITEM(head, 0)) <= reached && retire_ops(engine, reached)) r = -2;
     Py_XDECREF(head);
     if (r == -2 || PyErr_Occurred()) goto out;
   }
-  /* a lone kernel or copy is kept as numbers, strings and bytes (NativeEngine._pack's _as_run), which the garbage
-   * collector stops tracking */
-  PyObject *kept = cmds;
-  if (n == 1 && (rec->kind == K_EXEC || rec->kind == K_COPY)) {
-    PyObject *cmd = PyList_GET_ITEM(cmds, 0);
-    kept = rec->kind == K_EXEC
-               ? Py_BuildValue("((iOKO))", C_EXEC, PyTuple_GET_ITEM(cmd, 1), (unsigned long long)rec->a,
-                               PyTuple_GET_ITEM(cmd, 3))
-               : Py_BuildValue("((iOOKKK))", C_COPY, PyTuple_GET_ITEM(cmd, 1), Py_None, (unsigned long long)rec->a,
-                               (unsigned long long)rec->b, (unsigned long long)rec->c);
-    if (!kept) goto out;
-  }
   set_slot(op, S_ENGINE, engine);
   set_slot(op, S_CMDS, kept);
-  if (kept != cmds) Py_DECREF(kept);
   if (deps && PyList_GET_SIZE(deps)) set_slot(op, S_DEPS, deps);
   engine_state *st = state_of(engine);
   uint64_t value = st ? g_submit(st->core, recs, (uint32_t)nrec) : 0;
   if (!value) {
-    if (!PyErr_Occurred()) {
+    if (!PyErr_Occurred())
       PyErr_Format(PyExc_MemoryError, "%U: no memory for the commands of its queue", SLOT(op, S_NAME));
-      PyObject *python = PyObject_GetAttr(engine, s_python);
-      if (python) {
-        if (PyDict_DelItem(python, op_id)) PyErr_Clear();
-        Py_DECREF(python);
-      }
-    }
     goto out;
   }
   PyObject *v = PyLong_FromUnsignedLongLong(value);
@@ -546,11 +723,193 @@ static int append_records(PyObject *engine, PyObject *op, PyObject *cmds, PyObje
   Py_DECREF(appended);
   rc = 1;
 out:
+  if (rc < 0) unregister(engine, op);
   Py_XDECREF(inflight);
   Py_XDECREF(item);
   if (keep != Py_None) Py_DECREF(keep);
-  Py_XDECREF(pairs);
+  Py_DECREF(kept);
   return rc;
+}
+
+
+/* Op.dispatched: 1, 0, -1. */
+static int op_dispatched(PyObject *op) {
+  if (SLOT(op, S_ENGINE) == Py_None) return 0;
+  if (op_value(op) != g_held) return 1;
+  if (SLOT(op, S_CELL) == Py_None) return 0;
+  PyObject *d = PyObject_GetAttr(op, s_dispatched); /* reads its cell, and runs what waited for it if it was */
+  int truth = d ? PyObject_IsTrue(d) : -1;
+  Py_XDECREF(d);
+  return truth;
+}
+
+typedef struct {
+  int on_dispatch;
+  PyObject *dep; /* borrowed: held by the op's deps */
+} cond_t;
+
+/* NativeEngine.pend in C for `op` and the conditions of dispatch_when_ready's _pend_held: its records handed to
+ * native `engine`'s core with a cell (a word of the engine's shared cell array), appended to its queue by the core
+ * from whichever thread meets the last condition. 1, 0 before any side effect (Python's), -1. */
+static int pend_op(PyObject *engine, PyObject *op, PyObject *body, PyObject *deps, uint64_t gate, cond_t *conds,
+                   int nconds) {
+  PyObject *locked = call_lock(engine, s_acquire);
+  if (!locked) return -1;
+  Py_DECREF(locked);
+  ar_cmd recs[MAX_RECORDS];
+  int nrec = 0, rc = engine_closed(engine);
+  PyObject *keep = Py_None, *kept = NULL, *cells = NULL, *at_obj = NULL;
+  void *pend = NULL;
+  if (rc) { /* closed: Python's (dispatch_when_ready abandons the op) */
+    rc = rc < 0 ? -1 : 0;
+    goto unlock;
+  }
+  rc = build_records(engine, op, body, gate, recs, &nrec, &keep, &kept);
+  if (rc <= 0) goto unlock;
+  rc = -1;
+  at_obj = PyObject_GetAttr(engine, s_cell_at);
+  Py_ssize_t at = at_obj ? PyLong_AsSsize_t(at_obj) : -1;
+  if (at < 0) goto unlock;
+  if (at >= g_cells) { /* a new shared array of cells */
+    cells = PyObject_CallNoArgs(g_new_cells);
+    if (!cells || PyObject_SetAttr(engine, s_cells, cells)) goto unlock;
+    at = 0;
+  } else if (!(cells = PyObject_GetAttr(engine, s_cells))) {
+    goto unlock;
+  }
+  PyObject *next = PyLong_FromSsize_t(at + 1), *index = next ? PyLong_FromSsize_t(at) : NULL;
+  int set = !index || PyObject_SetAttr(engine, s_cell_at, next);
+  if (!set) {
+    set_slot(op, S_CELL, cells);
+    set_slot(op, S_AT, index);
+  }
+  Py_XDECREF(index);
+  Py_XDECREF(next);
+  uint64_t *cell = set ? NULL : cell_address(op);
+  engine_state *st = cell ? state_of(engine) : NULL;
+  if (!st) goto unlock;
+  set_slot(op, S_ENGINE, engine);
+  set_slot(op, S_CMDS, kept);
+  if (PyList_GET_SIZE(deps)) set_slot(op, S_DEPS, deps);
+  pend = g_pend_new(st->core, recs, (uint32_t)nrec, cell);
+  if (!pend) {
+    PyErr_Format(PyExc_MemoryError, "%U: no memory for the commands of its queue", SLOT(op, S_NAME));
+    goto unlock;
+  }
+  PyObject *address = PyLong_FromVoidPtr(pend), *held = address ? PyLong_FromUnsignedLongLong(g_held) : NULL;
+  PyObject *empty = held ? PyTuple_New(0) : NULL, *holders = empty ? PyObject_GetAttr(engine, s_held) : NULL;
+  if (holders) { /* Op.hold */
+    set_slot(op, S_PEND, address);
+    set_slot(op, S_VALUE, held);
+    set_slot(op, S_LATER, empty);
+  }
+  int added = holders && PySet_Check(holders) && !PySet_Add(holders, op);
+  Py_XDECREF(holders);
+  Py_XDECREF(empty);
+  Py_XDECREF(held);
+  Py_XDECREF(address);
+  if (!added) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "a native engine's held ops must be a set");
+    goto unlock;
+  }
+  PyObject *rlock = PyObject_GetAttr(engine, s_retire_lock); /* the pending lists, as retire() replaces them */
+  PyObject *r = rlock ? PyObject_CallMethodNoArgs(rlock, s_acquire) : NULL;
+  if (r) {
+    Py_DECREF(r);
+    PyObject *ops = PyObject_GetAttr(engine, s_pended), *keeps = ops ? PyObject_GetAttr(engine, s_pended_keep) : NULL;
+    PyObject *minus = keeps ? PyLong_FromLong(-1) : NULL;
+    rc = minus && !PyList_Append(ops, op) && !PyList_Append(keeps, keep) && !PyObject_SetAttr(engine, s_pended_at, minus)
+             ? 1
+             : -1;
+    Py_XDECREF(minus);
+    Py_XDECREF(keeps);
+    Py_XDECREF(ops);
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyObject *released = PyObject_CallMethodNoArgs(rlock, s_release);
+    if (!released) rc = -1;
+    Py_XDECREF(released);
+    if (type) PyErr_Restore(type, value, traceback);
+  }
+  Py_XDECREF(rlock);
+unlock:;
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
+  PyObject *unlocked = call_lock(engine, s_release);
+  if (!unlocked) rc = -1;
+  Py_XDECREF(unlocked);
+  if (type) PyErr_Restore(type, value, traceback);
+  if (rc < 0 && kept) unregister(engine, op);
+  Py_XDECREF(at_obj);
+  Py_XDECREF(cells);
+  Py_XDECREF(kept);
+  if (keep != Py_None) Py_DECREF(keep);
+  if (rc <= 0 || !pend) return rc;
+  for (int i = 0; i < nconds; i++) { /* NativeEngine.pend: its conditions, outside the lock */
+    PyObject *dep = conds[i].dep;
+    engine_state *dst = state_of(SLOT(dep, S_ENGINE));
+    if (!dst) return -1; /* not reached: a condition's op runs on a native engine */
+    if (SLOT(dep, S_CELL) != Py_None && op_value(dep) == g_held) {
+      uint64_t *dep_cell = cell_address(dep);
+      PyObject *dep_pend = dep_cell ? SLOT(dep, S_PEND) : NULL;
+      void *dp = dep_pend ? PyLong_AsVoidPtr(dep_pend) : NULL;
+      if (!dp) return -1;
+      g_pend_on_pend(pend, dp, dep_cell, dst->core, !conds[i].on_dispatch);
+    } else if (!conds[i].on_dispatch) {
+      g_pend_on_sig(pend, dst->signal, op_value(dep));
+    }
+  }
+  g_pend_go(pend);
+  return 1;
+}
+
+/* dispatch_when_ready's _pend_held in C for a scheduler's `op` (admitted, held): pended in its engine's core with
+ * its conditions (a dependency on another native queue done, one on its own queue handed on), or appended at once
+ * if nothing blocks it. 1, 0 before any side effect where a dependency cannot be waited for in a core (Python's),
+ * -1. */
+static int pend_held(PyObject *engine, PyObject *op, PyObject *body, PyObject *deps, uint64_t gate) {
+  cond_t conds[MAX_WAITS];
+  int nconds = 0;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(deps); i++) {
+    PyObject *dep = PyList_GET_ITEM(deps, i);
+    int done = op_done(dep);
+    if (done < 0) return -1;
+    if (done) continue;
+    PyObject *dep_engine = SLOT(dep, S_ENGINE);
+    if (nconds == MAX_WAITS) return 0;
+    if (dep_engine != engine) {
+      if (Py_TYPE(dep_engine) != g_native_type) return 0;
+      if (SLOT(dep, S_CELL) == Py_None) {
+        int dispatched = op_dispatched(dep);
+        if (dispatched <= 0) return dispatched;
+      }
+      conds[nconds].on_dispatch = 0;
+      conds[nconds++].dep = dep;
+    } else {
+      int dispatched = op_dispatched(dep);
+      if (dispatched < 0) return -1;
+      if (dispatched) continue;
+      if (SLOT(dep, S_CELL) == Py_None) return 0;
+      conds[nconds].on_dispatch = 1;
+      conds[nconds++].dep = dep;
+    }
+  }
+  if (!nconds) {
+    PyObject *locked = call_lock(engine, s_acquire);
+    if (!locked) return -1;
+    Py_DECREF(locked);
+    int rc = engine_closed(engine);
+    if (rc == 0) rc = append_records(engine, op, body, deps, gate);
+    else if (rc == 1) rc = 0;
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyObject *unlocked = call_lock(engine, s_release);
+    if (!unlocked) rc = -1;
+    Py_XDECREF(unlocked);
+    if (type) PyErr_Restore(type, value, traceback);
+    return rc;
+  }
+  return pend_op(engine, op, body, deps, gate, conds, nconds);
 }
 
 typedef struct {
@@ -632,21 +991,7 @@ static PyObject *enqueue(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 
 /* ---- the module's functions --------------------------------------------------------------------------- */
 
-static PyObject *call_lock(PyObject *engine, PyObject *method) {
-  PyObject *lock = PyObject_GetAttr(engine, s_lock);
-  if (!lock) return NULL;
-  PyObject *r = PyObject_CallMethodNoArgs(lock, method);
-  Py_DECREF(lock);
-  return r;
-}
 
-static int engine_closed(PyObject *engine) {
-  PyObject *closed = PyObject_GetAttr(engine, s_closed);
-  if (!closed) return -1;
-  int truth = PyObject_IsTrue(closed);
-  Py_DECREF(closed);
-  return truth;
-}
 
 /* BaseDevice._submit for the op of `body` (one command) bound for `engine`, through `window` (a Scheduler, or
  * None): the op, handed to its queue here or by dispatch_when_ready, or None (new reference) where Python must
@@ -733,6 +1078,10 @@ static PyObject *do_submit(PyObject *engine, PyObject *name, PyObject *body, PyO
     PyObject *r = PyObject_CallMethodOneArg(engine, s_check_open, name);
     Py_XDECREF(r);
     goto fail;
+  }
+  if (pushed == 0 && admitted && window != Py_None) { /* held: pended in the core, as _pend_held does */
+    pushed = pend_held(engine, op, body, deps, gate_address);
+    if (pushed < 0) goto fail;
   }
   if (pushed == 0) { /* dispatch_when_ready hands it on: held through a window, as the Python path does */
     if (PyList_GET_SIZE(deps)) set_slot(op, S_DEPS, deps);
@@ -1176,12 +1525,24 @@ static PyObject *state(PyObject *self, PyObject *args) {
 static PyObject *init(PyObject *self, PyObject *args) {
   (void)self;
   PyObject *op_type, *native_type, *entry_type, *nothing, *native_copies, *op_ids, *protect, *wait_kind;
-  PyObject *buffer_type, *recorder, *dispatch, *zeroed, *typed;
-  unsigned long long submit_address, held;
-  if (!PyArg_ParseTuple(args, "KKOOOOOOOOOOOOO", &submit_address, &held, &op_type, &native_type, &entry_type,
-                        &nothing, &native_copies, &op_ids, &protect, &wait_kind, &buffer_type, &recorder, &dispatch,
-                        &zeroed, &typed))
+  PyObject *buffer_type, *recorder, *dispatch, *zeroed, *typed, *new_cells;
+  unsigned long long submit_address, held, abandoned, pend_new, pend_on_sig, pend_on_pend, pend_go;
+  Py_ssize_t cells;
+  if (!PyArg_ParseTuple(args, "KKKKKKKnOOOOOOOOOOOOOO", &submit_address, &pend_new, &pend_on_sig, &pend_on_pend,
+                        &pend_go, &held, &abandoned, &cells, &op_type, &native_type, &entry_type, &nothing,
+                        &native_copies, &op_ids, &protect, &wait_kind, &buffer_type, &recorder, &dispatch, &zeroed,
+                        &typed, &new_cells))
     return NULL;
+  if (!pend_new || !pend_on_sig || !pend_on_pend || !pend_go || cells < 1 || !PyCallable_Check(new_cells)) {
+    PyErr_SetString(PyExc_TypeError, "init: the core's pending-op functions, a cell count and a cell maker expected");
+    return NULL;
+  }
+  g_pend_new = (pend_new_fn)(uintptr_t)pend_new;
+  g_pend_on_sig = (pend_on_sig_fn)(uintptr_t)pend_on_sig;
+  g_pend_on_pend = (pend_on_pend_fn)(uintptr_t)pend_on_pend;
+  g_pend_go = (pend_go_fn)(uintptr_t)pend_go;
+  g_cells = cells;
+  g_new_cells = Py_NewRef(new_cells);
   if (!PyType_Check(op_type) || !PyType_Check(native_type) || !PyType_Check(entry_type) || !PyDict_Check(nothing) ||
       !PyDict_Check(native_copies) || !PyType_Check(buffer_type) || !submit_address) {
     PyErr_SetString(PyExc_TypeError, "init: types, dicts and the address of ar_submit expected");
@@ -1200,6 +1561,7 @@ static PyObject *init(PyObject *self, PyObject *args) {
   }
   g_submit = (submit_fn)(uintptr_t)submit_address;
   g_held = held;
+  g_abandoned = abandoned;
   g_op_type = (PyTypeObject *)Py_NewRef(op_type);
   g_native_type = (PyTypeObject *)Py_NewRef(native_type);
   g_entry_type = (PyTypeObject *)Py_NewRef(entry_type);
@@ -1219,6 +1581,7 @@ static PyObject *init(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"submit", (PyCFunction)(void (*)(void))submit, METH_FASTCALL,
      "submit(engine, name, body, reads, writes, keep, result, window): the op, or None for the Python path"},
+    {"retire", retire, METH_O, "retire(engine): NativeEngine.retire's work, True, or None for the Python path"},
     {"enqueue", (PyCFunction)(void (*)(void))enqueue, METH_FASTCALL,
      "enqueue(engine, cmds, op): NativeEngine._enqueue's work, True, or None for the Python path"},
     {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL,
@@ -1227,8 +1590,10 @@ static PyMethodDef methods[] = {
      "copy(dev, buf, data, into, hold, window, priority): a copy-in (data) or copy-out's op, or None"},
     {"state", state, METH_VARARGS,
      "state(signal address, core engine address, failures address): a native engine's `_fast_state`"},
-    {"init", init, METH_VARARGS, "init(ar_submit address, HELD, Op, NativeEngine, Entry, nothing, copies, ids, "
-                                 "protect, WAIT, Buffer, recorder, dispatch_when_ready, zeroed, typed)"},
+    {"init", init, METH_VARARGS,
+     "init(the addresses of ar_submit, ar_pend_new, ar_pend_on_sig, ar_pend_on_pend and ar_pend_go, HELD, ABANDONED, "
+     "CELLS, Op, NativeEngine, Entry, nothing, copies, ids, protect, WAIT, Buffer, recorder, dispatch_when_ready, "
+     "zeroed, typed, new_cells)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1241,7 +1606,7 @@ PyMODINIT_FUNC PyInit__submit(void) {
   } names[] = {
       {&s_log, "log"},          {&s_offset, "offset"},     {&s_nbytes, "nbytes"},     {&s_entries, "entries"},
       {&s_signal, "signal"},    {&s_ptr, "ptr"},           {&s_timeout, "timeout"},   {&s_closed, "closed"},
-      {&s_lock, "_lock"},       {&s_inflight, "_inflight"}, {&s_retire, "retire"},    {&s_done, "done"},
+      {&s_lock, "_lock"},       {&s_inflight, "_inflight"}, {&s_done, "done"},
       {&s_dispatched, "dispatched"}, {&s_address, "address"}, {&s_python, "_python"}, {&s_thread, "_thread"},
       {&s_python_runs, "_python_runs"}, {&s_check_open, "check_open"}, {&s_acquire, "acquire"},
       {&s_release, "release"},  {&s_append, "append"},
@@ -1252,6 +1617,8 @@ PyMODINIT_FUNC PyInit__submit(void) {
       {&s_owner, "_owner"},     {&s_dtype, "dtype"},       {&s_copy_fn, "copy_fn"},   {&s_inline, "inline_copy_max"},
       {&s_fast_state, "_fast_state"}, {&s_retire_lock, "_retire_lock"}, {&s_popleft, "popleft"},
       {&s_gate, "_gate"},       {&s_admit, "_admit"},
+      {&s_pended, "_pended"},   {&s_pended_keep, "_pended_keep"}, {&s_pended_at, "_pended_at"},
+      {&s_retire_python, "_retire"}, {&s_cell_at, "_cell_at"}, {&s_cells, "_cells"}, {&s_held, "held"},
   };
   for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
     *names[i].where = PyUnicode_InternFromString(names[i].text);

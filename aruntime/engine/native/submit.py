@@ -69,17 +69,20 @@ class _ExtensionCompiler(Compiler):
 def _build(lib: ctypes.CDLL, native_type: type) -> Fast:
     from aruntime.engine.dispatch import dispatch_when_ready
     from aruntime.engine.kernel import _NATIVE_COPIES, _NOTHING, Entry
-    from aruntime.engine.ops import HELD, WAIT, Op, protect
+    from aruntime.engine.ops import ABANDONED, HELD, WAIT, Op, protect
     from aruntime.events import op_ids, recorder
     from aruntime.memory import Buffer, typed, zeroed
 
     src = resources.files(__package__).joinpath("submit.c").read_text()
     name = f"{__package__}._submit"
     module = _ExtensionCompiler().compile_cached(src, load=lambda binary: cc.load_module(binary, name))
-    address = ctypes.cast(lib.ar_submit, ctypes.c_void_p).value
+    from aruntime.engine.native.engine import CELLS, new_cells
+
+    functions = (lib.ar_submit, lib.ar_pend_new, lib.ar_pend_on_sig, lib.ar_pend_on_pend, lib.ar_pend_go)
     module.init(
-        address, HELD, Op, native_type, Entry, _NOTHING, _NATIVE_COPIES, op_ids, protect, WAIT,
-        Buffer, recorder, dispatch_when_ready, zeroed, typed,
+        *(ctypes.cast(f, ctypes.c_void_p).value for f in functions), HELD, ABANDONED, CELLS, Op, native_type, Entry,
+        _NOTHING, _NATIVE_COPIES, op_ids, protect, WAIT, Buffer, recorder, dispatch_when_ready, zeroed, typed,
+        new_cells,
     )  # fmt: skip
     return module
 
