@@ -6,15 +6,16 @@
  * Python, with no hold, normal priority and no profile recording, directly or through a Scheduler's window. They
  * check the arguments, make the Op, record its accesses in the buffers' hazard logs, and append its records (a
  * wait per other queue it depends on, a dependency check where an input is unfinished, the work, with its
- * request's gate) to the engine's ring through the core's ar_submit; an op that must wait (a window without
- * room, a held op whose dependency is on another queue, a dependency not handed on yet) goes to
- * dispatch_when_ready, as in Python.
+ * request's gate) to the engine's ring through the core's ar_submit. A scheduler's op that waits for another
+ * queue is handed to the core with its conditions (dispatch_when_ready's _pend_held and NativeEngine.pend); an
+ * op that must wait otherwise (a window without room, a dependency the core cannot wait for) goes to
+ * dispatch_when_ready, as in Python. retire(...) does what NativeEngine.retire does where no failure or
+ * timestamp is left to set.
  *
  * Each returns None before any side effect where it cannot take the call as it stands (an argument to refuse,
  * a view not yet bound, a program without a launch plan, a command the worker runs in Python): the caller takes
  * the Python path, which stays the reference, with the same rules, and the fallback where this module cannot be
- * built. Finished ops are retired here in batches where no failure is left to set (NativeEngine.retire
- * otherwise).
+ * built.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -8,7 +8,8 @@ recording, straight on a device or through a :class:`~aruntime.scheduler.Schedul
 ``copyout`` (a kernel whose program has a launch plan, see :attr:`Program._plan
 <aruntime.device.program.Program>`; plain buffers of numbers), ``submit`` from
 :meth:`BaseDevice._submit <aruntime.device.base.BaseDevice._submit>` for the other op methods, ``enqueue`` from
-``NativeEngine._enqueue`` for an op handed on later. Anything else (an argument to check and refuse, a view not
+``NativeEngine._enqueue`` for an op handed on later, ``retire`` from ``NativeEngine.retire``; a scheduler's op
+that waits for another queue is pended in the core (``NativeEngine.pend``) from ``submit`` too. Anything else (an argument to check and refuse, a view not
 yet bound, a program without a plan) returns None before any side effect and takes the Python path, which stays
 the reference; so does every op where the extension cannot be built.
 
@@ -35,8 +36,8 @@ FLAGS = ("-O2", "-fPIC", "-shared")
 Fast = Any
 """The built module: ``submit(engine, name, body, reads, writes, keep, result, window)``, ``launch(dev, prog, bufs,
 vals, outs, hold, window, priority)`` and ``copy(dev, buf, data, into, hold, window, priority)``, each returning the
-op, and ``enqueue(engine, cmds, op)``, returning True; each None where the Python path must take it (see
-``submit.c``)."""
+op, ``enqueue(engine, cmds, op)`` and ``retire(engine)``, returning True; each None where the Python path must
+take it (see ``submit.c``)."""
 
 unavailable: str | None = None
 """Why the C submission path could not be built (None once it was, or before it was first asked for)."""
