@@ -203,7 +203,8 @@ class NativeEngine(Engine):
     ) -> None:
         lib = native.lib()
         assert lib is not None
-        fast = submit.load(lib, NativeEngine)  # a bad ARUNTIME_FAST_SUBMIT refuses the engine before it makes anything
+        # a bad ARUNTIME_FAST_SUBMIT refuses the engine before it makes anything
+        fast = submit.load(lib, NativeEngine, new_cells)
         super().__init__(device, kind, timeout)
         assert isinstance(self.signal, NativeSignal)
         self._lib = lib

@@ -7,11 +7,12 @@ recording, straight on a device or through a :class:`~aruntime.scheduler.Schedul
 ``launch`` and ``copy`` from :meth:`BaseDevice.launch <aruntime.device.base.BaseDevice.launch>`, ``copyin`` and
 ``copyout`` (a kernel whose program has a launch plan, see :attr:`Program._plan
 <aruntime.device.program.Program>`; plain buffers of numbers), ``submit`` from
-:meth:`BaseDevice._submit <aruntime.device.base.BaseDevice._submit>` for the other op methods, ``enqueue`` from
-``NativeEngine._enqueue`` for an op handed on later, ``retire`` from ``NativeEngine.retire``; a scheduler's op
-that waits for another queue is pended in the core (``NativeEngine.pend``) from ``submit`` too. Anything else (an argument to check and refuse, a view not
-yet bound, a program without a plan) returns None before any side effect and takes the Python path, which stays
-the reference; so does every op where the extension cannot be built.
+:meth:`BaseDevice._submit <aruntime.device.base.BaseDevice._submit>` for the other op methods (a scheduler's op
+that waits for another queue is pended in the core there too, as ``NativeEngine.pend`` does), ``enqueue`` from
+``NativeEngine._enqueue`` for an op handed on later, ``retire`` from ``NativeEngine.retire``. Anything else (an
+argument to check and refuse, a view not yet bound, a program without a plan) returns None before any side
+effect and takes the Python path, which stays the reference; so does every op where the extension cannot be
+built.
 
 It is built at first use with the system C compiler against the running interpreter's headers (``Python.h``;
 on Debian and Ubuntu the ``python3-dev`` package), through the compile cache like the core, under a key that
@@ -26,6 +27,7 @@ import ctypes
 import sys
 import sysconfig
 import threading
+from collections.abc import Callable, Sized
 from importlib import resources
 from typing import Any
 
@@ -67,7 +69,7 @@ class _ExtensionCompiler(Compiler):
         return cc.build(src, (*FLAGS, f"-I{_include()}"))
 
 
-def _build(lib: ctypes.CDLL, native_type: type) -> Fast:
+def _build(lib: ctypes.CDLL, native_type: type, new_cells: Callable[[], Sized]) -> Fast:
     from aruntime.engine.dispatch import dispatch_when_ready
     from aruntime.engine.kernel import _NATIVE_COPIES, _NOTHING, Entry
     from aruntime.engine.ops import ABANDONED, HELD, WAIT, Op, protect
@@ -77,20 +79,19 @@ def _build(lib: ctypes.CDLL, native_type: type) -> Fast:
     src = resources.files(__package__).joinpath("submit.c").read_text()
     name = f"{__package__}._submit"
     module = _ExtensionCompiler().compile_cached(src, load=lambda binary: cc.load_module(binary, name))
-    from aruntime.engine.native.engine import CELLS, new_cells
-
     functions = (lib.ar_submit, lib.ar_pend_new, lib.ar_pend_on_sig, lib.ar_pend_on_pend, lib.ar_pend_go)
+    addresses = (ctypes.cast(f, ctypes.c_void_p).value for f in functions)
     module.init(
-        *(ctypes.cast(f, ctypes.c_void_p).value for f in functions), HELD, ABANDONED, CELLS, Op, native_type, Entry,
-        _NOTHING, _NATIVE_COPIES, op_ids, protect, WAIT, Buffer, recorder, dispatch_when_ready, zeroed, typed,
-        new_cells,
+        *addresses, HELD, ABANDONED, len(new_cells()), Op, native_type, Entry, _NOTHING, _NATIVE_COPIES, op_ids,
+        protect, WAIT, Buffer, recorder, dispatch_when_ready, zeroed, typed, new_cells,
     )  # fmt: skip
     return module
 
 
-def load(lib: ctypes.CDLL, native_type: type) -> Fast:
-    """The C submission path for native engines of ``native_type`` over the core ``lib``, built on the first call;
-    None where it cannot be had (see :data:`unavailable`) or ``ARUNTIME_FAST_SUBMIT=0`` switches it off."""
+def load(lib: ctypes.CDLL, native_type: type, new_cells: Callable[[], Sized]) -> Fast:
+    """The C submission path for native engines of ``native_type`` over the core ``lib`` (``new_cells``: what
+    makes the array of cells their pending ops' values are written into), built on the first call; None where
+    it cannot be had (see :data:`unavailable`) or ``ARUNTIME_FAST_SUBMIT=0`` switches it off."""
     global _module, _built, unavailable
     if not getenv("FAST_SUBMIT", 1, minimum=0, maximum=1):
         return None
@@ -98,7 +99,7 @@ def load(lib: ctypes.CDLL, native_type: type) -> Fast:
         with _lock:
             if not _built:
                 try:
-                    _module = _build(lib, native_type)
+                    _module = _build(lib, native_type, new_cells)
                 except Exception as exc:  # no headers, no compiler, a failed build or load
                     unavailable = f"the C submission path could not be built: {exc}"
                 _built = True
