@@ -1037,7 +1037,9 @@ static PyObject *do_submit(PyObject *engine, PyObject *name, PyObject *body, PyO
     if (log_access(PyTuple_GET_ITEM(writes, i), 1, op, engine, deps, inputs)) goto fail;
   Py_ssize_t ni = PyList_GET_SIZE(inputs);
   if (ni) {
-    set_slot(op, S_INPUTS, inputs);
+    int same = PyList_GET_SIZE(deps) == ni; /* one list for both where they agree (a copy-out), as in Python */
+    for (Py_ssize_t i = 0; same && i < ni; i++) same = PyList_GET_ITEM(deps, i) == PyList_GET_ITEM(inputs, i);
+    set_slot(op, S_INPUTS, same ? deps : inputs);
     for (Py_ssize_t i = 0; i < ni; i++) {
       if (SLOT(PyList_GET_ITEM(inputs, i), S_GATE) != Py_None) { /* a request's op: the Python rule */
         PyObject *r = PyObject_CallFunctionObjArgs(g_protect, inputs, gate, NULL);
