@@ -32,7 +32,6 @@ import os
 import re
 import struct
 import threading
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -243,9 +242,6 @@ class CPUProgram(Program):
     def bind(self, addresses: Sequence[int], vals: Sequence[int | float]) -> Bound:
         """The kernel's entry and its arguments packed in one buffer: each pointer parameter gets the next
         buffer address, each other parameter the next scalar, converted and checked against its type."""
-        if not self._scalars and not vals and len(addresses) == self._pointers:  # buffers only: the words as given
-            words = array("Q", addresses)
-            return self.entry, (words, words.buffer_info()[0])
         holder, address, _ = pin(struct.pack(self._format, *self._words(addresses, vals)))
         return self.entry, (holder, address)
 

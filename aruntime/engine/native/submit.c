@@ -318,12 +318,28 @@ static int work_record(PyObject *cmd, ar_cmd *rec) {
 }
 
 
-static PyObject *call_lock(PyObject *engine, PyObject *method) {
-  PyObject *lock = PyObject_GetAttr(engine, s_lock);
-  if (!lock) return NULL;
-  PyObject *r = PyObject_CallMethodNoArgs(lock, method);
-  Py_DECREF(lock);
-  return r;
+/* Call `method` (acquire or release) of the lock that is `owner`'s attribute `name`: 0, or -1. */
+static int lock_call(PyObject *owner, PyObject *name, PyObject *method) {
+  PyObject *lock = PyObject_GetAttr(owner, name);
+  PyObject *r = lock ? PyObject_CallMethodNoArgs(lock, method) : NULL;
+  Py_XDECREF(lock);
+  Py_XDECREF(r);
+  return r ? 0 : -1;
+}
+
+/* Take the lock `owner`.`name` (a threading.Lock: it waits with the GIL released): 0, or -1. */
+static int lock_take(PyObject *owner, PyObject *name) { return lock_call(owner, name, s_acquire); }
+
+/* Let go of the lock `owner`.`name`, keeping an error already set: `rc`, or -1 if it could not be let go. */
+static int lock_give(PyObject *owner, PyObject *name, int rc) {
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
+  if (lock_call(owner, name, s_release)) {
+    rc = -1;
+    if (type) PyErr_Clear(); /* the first error is the one to raise */
+  }
+  if (type) PyErr_Restore(type, value, traceback);
+  return rc;
 }
 
 static int engine_closed(PyObject *engine) {
@@ -451,14 +467,10 @@ static int retire_plain(PyObject *engine, uint64_t reached) {
     Py_DECREF(python);
     return 0;
   }
-  PyObject *lock = PyObject_GetAttr(engine, s_retire_lock);
-  PyObject *r = lock ? PyObject_CallMethodNoArgs(lock, s_acquire) : NULL;
-  if (!r) {
-    Py_XDECREF(lock);
+  if (lock_take(engine, s_retire_lock)) {
     Py_DECREF(python);
     return -1;
   }
-  Py_DECREF(r);
   PyObject *empty = PyTuple_New(0), *inflight = empty ? PyObject_GetAttr(engine, s_inflight) : NULL;
   int rc = inflight ? 1 : -1;
   while (rc == 1) {
@@ -485,13 +497,7 @@ static int retire_plain(PyObject *engine, uint64_t reached) {
     if (!mine) break;
   }
   if (rc == 1) rc = retire_pended(engine, reached, empty, python);
-  PyObject *type, *value, *traceback;
-  PyErr_Fetch(&type, &value, &traceback);
-  PyObject *released = PyObject_CallMethodNoArgs(lock, s_release);
-  if (!released) rc = -1;
-  Py_XDECREF(released);
-  if (type) PyErr_Restore(type, value, traceback);
-  Py_DECREF(lock);
+  rc = lock_give(engine, s_retire_lock, rc);
   Py_XDECREF(inflight);
   Py_XDECREF(empty);
   Py_DECREF(python);
@@ -754,9 +760,7 @@ typedef struct {
  * from whichever thread meets the last condition. 1, 0 before any side effect (Python's), -1. */
 static int pend_op(PyObject *engine, PyObject *op, PyObject *body, PyObject *deps, uint64_t gate, cond_t *conds,
                    int nconds) {
-  PyObject *locked = call_lock(engine, s_acquire);
-  if (!locked) return -1;
-  Py_DECREF(locked);
+  if (lock_take(engine, s_lock)) return -1;
   ar_cmd recs[MAX_RECORDS];
   int nrec = 0, rc = engine_closed(engine);
   PyObject *keep = Py_None, *kept = NULL, *cells = NULL, *at_obj = NULL;
@@ -813,10 +817,7 @@ static int pend_op(PyObject *engine, PyObject *op, PyObject *body, PyObject *dep
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "a native engine's held ops must be a set");
     goto unlock;
   }
-  PyObject *rlock = PyObject_GetAttr(engine, s_retire_lock); /* the pending lists, as retire() replaces them */
-  PyObject *r = rlock ? PyObject_CallMethodNoArgs(rlock, s_acquire) : NULL;
-  if (r) {
-    Py_DECREF(r);
+  if (!lock_take(engine, s_retire_lock)) { /* the pending lists, as retire() replaces them */
     PyObject *ops = PyObject_GetAttr(engine, s_pended), *keeps = ops ? PyObject_GetAttr(engine, s_pended_keep) : NULL;
     PyObject *minus = keeps ? PyLong_FromLong(-1) : NULL;
     rc = minus && !PyList_Append(ops, op) && !PyList_Append(keeps, keep) && !PyObject_SetAttr(engine, s_pended_at, minus)
@@ -825,21 +826,10 @@ static int pend_op(PyObject *engine, PyObject *op, PyObject *body, PyObject *dep
     Py_XDECREF(minus);
     Py_XDECREF(keeps);
     Py_XDECREF(ops);
-    PyObject *type, *value, *traceback;
-    PyErr_Fetch(&type, &value, &traceback);
-    PyObject *released = PyObject_CallMethodNoArgs(rlock, s_release);
-    if (!released) rc = -1;
-    Py_XDECREF(released);
-    if (type) PyErr_Restore(type, value, traceback);
+    rc = lock_give(engine, s_retire_lock, rc);
   }
-  Py_XDECREF(rlock);
-unlock:;
-  PyObject *type, *value, *traceback;
-  PyErr_Fetch(&type, &value, &traceback);
-  PyObject *unlocked = call_lock(engine, s_release);
-  if (!unlocked) rc = -1;
-  Py_XDECREF(unlocked);
-  if (type) PyErr_Restore(type, value, traceback);
+unlock:
+  rc = lock_give(engine, s_lock, rc);
   if (rc < 0 && kept) unregister(engine, op);
   Py_XDECREF(at_obj);
   Py_XDECREF(cells);
@@ -896,19 +886,11 @@ static int pend_held(PyObject *engine, PyObject *op, PyObject *body, PyObject *d
     }
   }
   if (!nconds) {
-    PyObject *locked = call_lock(engine, s_acquire);
-    if (!locked) return -1;
-    Py_DECREF(locked);
+    if (lock_take(engine, s_lock)) return -1;
     int rc = engine_closed(engine);
     if (rc == 0) rc = append_records(engine, op, body, deps, gate);
     else if (rc == 1) rc = 0;
-    PyObject *type, *value, *traceback;
-    PyErr_Fetch(&type, &value, &traceback);
-    PyObject *unlocked = call_lock(engine, s_release);
-    if (!unlocked) rc = -1;
-    Py_XDECREF(unlocked);
-    if (type) PyErr_Restore(type, value, traceback);
-    return rc;
+    return lock_give(engine, s_lock, rc);
   }
   return pend_op(engine, op, body, deps, gate, conds, nconds);
 }
@@ -962,6 +944,14 @@ static int push(PyObject *engine, PyObject *op, PyObject *body, PyObject *deps, 
   return rc;
 }
 
+/* Whether a profile is being recorded (its ops take the Python path, which records them): 1, 0, -1. */
+static int recording(void) {
+  PyObject *enabled = PyObject_GetAttr(g_recorder, s_enabled);
+  int truth = enabled ? PyObject_IsTrue(enabled) : -1;
+  Py_XDECREF(enabled);
+  return truth;
+}
+
 /* enqueue(engine, cmds, op): NativeEngine._enqueue's work in C where it can (see append_records): True, or
  * None for the Python path. */
 static PyObject *enqueue(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -973,10 +963,8 @@ static PyObject *enqueue(PyObject *self, PyObject *const *args, Py_ssize_t nargs
   PyObject *engine = args[0], *cmds = args[1], *op = args[2];
   if (Py_TYPE(engine) != g_native_type || !PyList_Check(cmds) || Py_TYPE(op) != g_op_type)
     Py_RETURN_NONE;
-  PyObject *enabled = PyObject_GetAttr(g_recorder, s_enabled);
-  int recording = enabled ? PyObject_IsTrue(enabled) : -1;
-  Py_XDECREF(enabled);
-  if (recording) return recording < 0 ? NULL : Py_NewRef(Py_None);
+  int recorded = recording();
+  if (recorded) return recorded < 0 ? NULL : Py_NewRef(Py_None);
   uint64_t gate = 0;
   PyObject *g = SLOT(op, S_GATE);
   if (g != Py_None) {
@@ -1060,22 +1048,11 @@ static PyObject *do_submit(PyObject *engine, PyObject *name, PyObject *body, PyO
   }
   int pushed = 0;
   if (admitted) {
-    PyObject *locked = call_lock(engine, s_acquire);
-    if (!locked) goto fail;
-    Py_DECREF(locked);
+    if (lock_take(engine, s_lock)) goto fail;
     pushed = engine_closed(engine);
     if (pushed == 0) pushed = push(engine, op, body, deps, window != Py_None, gate_address);
     else if (pushed == 1) pushed = PyList_GET_SIZE(deps) ? 0 : 2;
-    PyObject *type, *value, *traceback;
-    PyErr_Fetch(&type, &value, &traceback);
-    PyObject *unlocked = call_lock(engine, s_release);
-    if (type) {
-      Py_XDECREF(unlocked);
-      PyErr_Restore(type, value, traceback);
-      goto fail;
-    }
-    if (!unlocked) goto fail;
-    Py_DECREF(unlocked);
+    if (lock_give(engine, s_lock, pushed) < 0) goto fail;
   }
   if (pushed == 2) { /* closed meanwhile, with no dependency: check_open raises, as push does */
     PyObject *r = PyObject_CallMethodOneArg(engine, s_check_open, name);
@@ -1121,11 +1098,8 @@ static int device_ready(PyObject *dev) {
   int open = state == s_open || (PyUnicode_Check(state) && PyUnicode_Compare(state, s_open) == 0);
   Py_DECREF(state);
   if (!open) return 0;
-  PyObject *enabled = PyObject_GetAttr(g_recorder, s_enabled);
-  if (!enabled) return -1;
-  int recording = PyObject_IsTrue(enabled);
-  Py_DECREF(enabled);
-  return recording < 0 ? -1 : !recording;
+  int recorded = recording();
+  return recorded < 0 ? -1 : !recorded;
 }
 
 static int same(PyObject *a, PyObject *b) { /* a == b for str or int objects that the caller compares */
