@@ -41,6 +41,9 @@ if TYPE_CHECKING:
     from aruntime.graph import Graph, GraphRun
 
 
+_current_request: contextvars.ContextVar[Request | None] = contextvars.ContextVar("aruntime_request", default=None)
+
+
 class Scheduler:
     """An async context manager that submits ops with backpressure and collects their failures.
 
@@ -68,6 +71,9 @@ class Scheduler:
     takes its own. The window admits ops in the order they come, whatever their
     priority: latency-sensitive work goes through a scheduler of its own.
     """
+
+    _request_var = _current_request
+    """The context variable of the current task's request (the native submission path reads it)."""
 
     def __init__(self, window: int = 1024, queue: int = 4096, drain_timeout: float = 30.0, priority: int = 0) -> None:
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
@@ -365,9 +371,6 @@ def _skip(gate: array[int]) -> bool:
         return False
     gate[SKIP] = 1
     return True
-
-
-_current_request: contextvars.ContextVar[Request | None] = contextvars.ContextVar("aruntime_request", default=None)
 
 
 class Request:

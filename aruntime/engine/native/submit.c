@@ -94,7 +94,7 @@ static PyObject *s_log, *s_offset, *s_nbytes, *s_entries, *s_signal, *s_ptr, *s_
     *s_check_open, *s_acquire, *s_release, *s_append, *s_failures_seen, *s_failed, *s_state, *s_open,
     *s_enabled, *s_device, *s_plan, *s_outs, *s_name, *s_compute, *s_copy, *s_base, *s_handle, *s_generation,
     *s_owner, *s_dtype, *s_copy_fn, *s_inline, *s_fast_state, *s_retire_lock, *s_popleft, *s_gate, *s_admit, *s_pended, *s_pended_keep, *s_pended_at,
-    *s_retire_python, *s_cell_at, *s_cells, *s_held;
+    *s_retire_python, *s_cell_at, *s_cells, *s_held, *s_request_var, *s_own_gate, *s_waiting, *s_window;
 
 /* ---- engines: what never changes while a native engine lives, in a capsule it holds (its `_fast_state`) ---- */
 
@@ -980,7 +980,67 @@ static PyObject *enqueue(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 
 /* ---- the module's functions --------------------------------------------------------------------------- */
 
+/* `owner`.`name`, or NULL with no error set where it has no such attribute; NULL with an error otherwise. */
+static PyObject *optional_attr(PyObject *owner, PyObject *name) {
+  PyObject *value = PyObject_GetAttr(owner, name);
+  if (!value && PyErr_ExceptionMatches(PyExc_AttributeError)) PyErr_Clear();
+  return value;
+}
 
+/* Scheduler._gate(): the gate of an op its task submits now. Here where the task is in no request (the context
+ * variable `window._request_var` holds None): the scheduler's own gate; else (or for a window that is no
+ * Scheduler) Python's rule. New reference. */
+static PyObject *window_gate(PyObject *window) {
+  PyObject *var = optional_attr(window, s_request_var), *request = NULL;
+  if (!var && PyErr_Occurred()) return NULL;
+  int rc = var && PyContextVar_CheckExact(var) ? PyContextVar_Get(var, NULL, &request) : 0;
+  Py_XDECREF(var);
+  if (rc < 0) return NULL;
+  if (request == Py_None) {
+    Py_DECREF(request);
+    return PyObject_GetAttr(window, s_own_gate);
+  }
+  Py_XDECREF(request);
+  return PyObject_CallMethodNoArgs(window, s_gate);
+}
+
+/* Scheduler._admit((op,)): 1 if the window admits the op now, 0 if not, -1 on error. Here where nothing waits
+ * for room and the window is not full (under the scheduler's lock, as Python does); else (or for a window that
+ * is no Scheduler) Python's rule, which retires finished ops before it looks. */
+static int window_admit(PyObject *window, PyObject *op) {
+  PyObject *lock = optional_attr(window, s_lock), *r;
+  if (!lock && PyErr_Occurred()) return -1;
+  Py_XDECREF(lock);
+  int rc = 0;
+  if (lock) {
+    if (lock_take(window, s_lock)) return -1;
+    PyObject *waiting = optional_attr(window, s_waiting), *inflight = optional_attr(window, s_inflight),
+             *limit = optional_attr(window, s_window);
+    if (waiting && inflight && limit && PyLong_Check(limit)) {
+      Py_ssize_t queued = PyObject_Length(waiting), held = PyObject_Length(inflight), most = PyLong_AsSsize_t(limit);
+      if (queued < 0 || held < 0 || PyErr_Occurred()) {
+        rc = -1;
+      } else if (queued == 0 && held < most) {
+        r = PyObject_CallMethodOneArg(inflight, s_append, op);
+        rc = r ? 1 : -1;
+        Py_XDECREF(r);
+      }
+    } else if (PyErr_Occurred()) {
+      rc = -1;
+    }
+    Py_XDECREF(waiting);
+    Py_XDECREF(inflight);
+    Py_XDECREF(limit);
+    rc = lock_give(window, s_lock, rc);
+    if (rc) return rc;
+  }
+  PyObject *ops = PyTuple_Pack(1, op);
+  r = ops ? PyObject_CallMethodOneArg(window, s_admit, ops) : NULL;
+  Py_XDECREF(ops);
+  rc = r ? PyObject_IsTrue(r) : -1;
+  Py_XDECREF(r);
+  return rc;
+}
 
 /* BaseDevice._submit for the op of `body` (one command) bound for `engine`, through `window` (a Scheduler, or
  * None): the op, handed to its queue here or by dispatch_when_ready, or None (new reference) where Python must
@@ -1010,7 +1070,7 @@ static PyObject *do_submit(PyObject *engine, PyObject *name, PyObject *body, PyO
   uint64_t gate_address = 0;
   if (!deps || !inputs) goto fail;
   if (window != Py_None) { /* the gate of its task's request, or the scheduler's own */
-    gate = PyObject_CallMethodNoArgs(window, s_gate);
+    gate = window_gate(window);
     if (!gate) goto fail;
     set_slot(op, S_GATE, gate);
     Py_DECREF(gate); /* the op holds it */
@@ -1038,14 +1098,7 @@ static PyObject *do_submit(PyObject *engine, PyObject *name, PyObject *body, PyO
     }
   }
   int admitted = 1;
-  if (window != Py_None) {
-    PyObject *ops = PyTuple_Pack(1, op);
-    PyObject *r = ops ? PyObject_CallMethodOneArg(window, s_admit, ops) : NULL;
-    Py_XDECREF(ops);
-    admitted = r ? PyObject_IsTrue(r) : -1;
-    Py_XDECREF(r);
-    if (admitted < 0) goto fail;
-  }
+  if (window != Py_None && (admitted = window_admit(window, op)) < 0) goto fail;
   int pushed = 0;
   if (admitted) {
     if (lock_take(engine, s_lock)) goto fail;
@@ -1596,6 +1649,7 @@ PyMODINIT_FUNC PyInit__submit(void) {
       {&s_gate, "_gate"},       {&s_admit, "_admit"},
       {&s_pended, "_pended"},   {&s_pended_keep, "_pended_keep"}, {&s_pended_at, "_pended_at"},
       {&s_retire_python, "_retire"}, {&s_cell_at, "_cell_at"}, {&s_cells, "_cells"}, {&s_held, "held"},
+      {&s_request_var, "_request_var"}, {&s_own_gate, "_own_gate"}, {&s_waiting, "_waiting"}, {&s_window, "window"},
   };
   for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
     *names[i].where = PyUnicode_InternFromString(names[i].text);
