@@ -20,10 +20,11 @@ from typing import Any
 import anyio
 import pytest
 
-from aruntime import BaseDevice, Device, DeviceError, Op, Scheduler, dtypes
+from aruntime import BaseDevice, Device, DeviceError, Op, Scheduler, dtypes, profile
 from aruntime.engine import KernelError, NativeEngine
 from aruntime.engine.native import submit
 from aruntime.engine.ops import HELD
+from aruntime.events import DependencyEvent, RangeEvent
 from tests.kernels import ADD_ONE, SPINS, closed_gate
 
 pytestmark = pytest.mark.anyio
@@ -101,6 +102,45 @@ async def test_the_c_and_python_paths_submit_alike() -> None:
     _python_path(slow)
     for seed in range(3):
         assert await _program(fast, seed) == await _program(slow, seed)
+
+
+async def _recorded(dev: BaseDevice) -> tuple[list[tuple[int, str, bool]], list[tuple[int, int]]]:
+    """Record a profile of copy-in -> kernel -> copy-out chains on ``dev``, eagerly (waits in the queues) and
+    through a Scheduler (held in the core): each op's recorded ranges (op index, name, copy queue) and the flows
+    between ops (dependency events, by op index)."""
+    gate, flag = await closed_gate(dev)
+    add = await dev.compile(ADD_ONE, outs=(0,))
+    big = dev.inline_copy_max + 4  # on the copy queue: every step waits for another queue
+    started = await dev.allocate(big // 4, dtypes.int32)
+    bufs = [await dev.allocate(big) for _ in range(4)]
+    async with profile() as prof:
+        # the gate holds both queues while the rest is submitted: nothing it waits for is done yet
+        ops = [dev.launch(gate, started, vals=(flag.handle, SPINS)), dev.copyout(started)]
+        for buf in bufs[:2]:
+            ops += [dev.copyin(buf, bytes(big)), dev.launch(add, buf, vals=(big,)), dev.copyout(buf)]
+        async with Scheduler() as sched:
+            for buf in bufs[2:]:
+                ops += [sched.copyin(buf, bytes(big)), sched.launch(add, buf, vals=(big,)), sched.copyout(buf)]
+            ctypes.c_int32.from_address(flag.handle).value = 1
+        for op in ops:
+            await op
+    index = {op.id: i for i, op in enumerate(ops)}
+    recorded = sorted(
+        (index[e.op], e.name, e.is_copy) for e in prof.events if isinstance(e, RangeEvent) and e.device == dev.name
+    )
+    flows = sorted((index[e.src], index[e.dst]) for e in prof.events if isinstance(e, DependencyEvent))
+    return recorded, flows
+
+
+async def test_a_profile_records_the_same_on_both_paths() -> None:
+    """While a profile is recorded the C path still takes the ops, and records what the Python path does: a
+    range per op under its name, and a flow per dependency on another queue."""
+    fast, slow = Device["CPU:5"], Device["CPU:6"]
+    _fast(fast)
+    _python_path(slow)
+    recorded, flows = await _recorded(fast)
+    assert (recorded, flows) == await _recorded(slow)
+    assert len(recorded) == 14 and len(flows) == 9  # the gate's copy-out, each kernel, each copy-out wait
 
 
 async def test_the_c_and_python_paths_schedule_alike() -> None:

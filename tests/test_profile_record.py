@@ -33,9 +33,11 @@ def ranges(events: list[object], device: str | None = None) -> list[RangeEvent]:
     return [e for e in events if isinstance(e, RangeEvent) and (device is None or e.device == device)]
 
 
-async def test_a_region_records_its_ops_dependencies_and_clock_offsets(tmp_path: Path) -> None:
+async def test_a_region_records_its_ops_dependencies_and_clock_offsets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     dev = Device["CPU:5"]
-    dev.inline_copy_max = 0  # every copy on the copy queue, so the hazards cross queues
+    monkeypatch.setattr(dev, "inline_copy_max", 0)  # every copy on the copy queue, so the hazards cross queues
     prog = await dev.compile(SCALE, outs=(0,))
     x, y = await dev.allocate(N, dtypes.float32), await dev.allocate(N, dtypes.float32)
     await dev.copyin(x, floats(0.0))  # before the region: not in it

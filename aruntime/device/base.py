@@ -37,7 +37,6 @@ from aruntime.engine import (
 )
 from aruntime.engine.ops import check_priority, protect
 from aruntime.errors import BufferUsageError, DeviceError
-from aruntime.events import recorder
 from aruntime.helpers import checkpoint, getenv, is_index
 from aruntime.memory import Allocator, Buffer, BufferScope, BufferSpec, pin, typed, zeroed
 
@@ -278,7 +277,7 @@ class BaseDevice(Closing, ProfileHooks):
         if self.state != "open":
             self.check_usable(name)
         fast = engine.fast
-        if fast is not None and not hold and not recorder.enabled:
+        if fast is not None and not hold:
             made: Op | None = fast.submit(engine, name, body, reads, writes, keep, result, window)
             if made is not None:
                 return made

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Protocol
 
 from aruntime.engine.ops import Command, CommandQueue, Engine, Op
@@ -79,7 +79,9 @@ def dispatch_when_ready(
     for engine, _, op in ops:
         op.hold(engine)
     if recorder.enabled:
-        recorder.events.extend(DependencyEvent(dep.id, op.id) for op, on, dep in blockers if not on)
+        for op, on, dep in blockers:
+            if not on:
+                _record_deps(op, (dep,))
     one_ready = after_all(len(blockers) + (window is not None), lambda: _dispatch(ops, mine))
     for _, on_dispatch, dep in blockers:
         (dep.when_dispatched if on_dispatch else dep.when_done)(one_ready)
@@ -114,11 +116,17 @@ def _pend_held(engine: Engine, body: list[Command], op: Op) -> bool:
 def _pend(engine: Engine, body: list[Command], op: Op, conds: list[tuple[bool, Op]]) -> None:
     """Hand ``op`` to ``engine``'s core with its conditions, each ``(on_dispatch, dependency)``."""
     if recorder.enabled:
-        recorder.events.extend(DependencyEvent(dep.id, op.id) for on, dep in conds if not on)
+        _record_deps(op, [dep for on, dep in conds if not on])
     try:
         engine.pend(body, op, conds)
     except DeviceError as exc:  # its engine was closed meanwhile
         op.abandon(engine, exc)
+
+
+def _record_deps(op: Op, deps: Iterable[Op]) -> None:
+    """Record, in the profile being recorded, that ``op`` waited for each of ``deps`` on another queue (the
+    timeline draws each as a flow); the C submission path calls it too."""
+    recorder.events.extend(DependencyEvent(dep.id, op.id) for dep in deps)
 
 
 def _pends_with(dep: Op) -> bool:
@@ -136,9 +144,7 @@ def _dispatch(ops: Sequence[tuple[Engine, list[Command], Op]], mine: Collection[
             for dep_engine, value in waits.items():
                 cq.wait(dep_engine.signal, value)
             if recorder.enabled:
-                recorder.events.extend(
-                    DependencyEvent(d.id, op.id) for d in op.deps if d.engine in waits and id(d) not in mine
-                )
+                _record_deps(op, [d for d in op.deps if d.engine in waits and id(d) not in mine])
             body = cq.cmds + body
         try:
             engine.push(body, op)

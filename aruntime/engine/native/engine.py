@@ -204,7 +204,7 @@ class NativeEngine(Engine):
         lib = native.lib()
         assert lib is not None
         # a bad ARUNTIME_FAST_SUBMIT refuses the engine before it makes anything
-        fast = submit.load(lib, NativeEngine, new_cells)
+        fast = submit.load(lib, NativeEngine, new_cells, _name_id)
         super().__init__(device, kind, timeout)
         assert isinstance(self.signal, NativeSignal)
         self._lib = lib

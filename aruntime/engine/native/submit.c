@@ -3,7 +3,8 @@
  * launch(...) and copy(...) do what BaseDevice.launch, copyin and copyout do, submit(...) what
  * BaseDevice._submit does for the other op methods, and enqueue(...) what NativeEngine._enqueue does for an op
  * handed on later (from dispatch_when_ready), for the common op: one kernel or copy the worker runs without
- * Python, with no hold, normal priority and no profile recording, directly or through a Scheduler's window. They
+ * Python, with no hold and normal priority, directly or through a Scheduler's window (recording a profile's
+ * ranges and flows as Python does where one is recorded). They
  * check the arguments, make the Op, record its accesses in the buffers' hazard logs, and append its records (a
  * wait per other queue it depends on, a dependency check where an input is unfinished, the work, with its
  * request's gate) to the engine's ring through the core's ar_submit. A scheduler's op that waits for another
@@ -41,6 +42,7 @@ typedef void (*pend_go_fn)(void *);
 enum { K_WAIT = 0, K_COPY = 3, K_EXEC = 4, K_NOP = 5, K_CHECK = 6 };
 enum { C_WAIT = 0, C_EXEC = 3, C_COPY = 4 }; /* command kinds of the Python side (ops.py) */
 #define F_END 1u
+#define F_RECORD 2u
 #define CHECK_BIT (1u << 31)
 #define TAG (1ull << 63) /* in a dependency check's pair: the value is read from the cell at this address */
 #define MAX_WAITS 8
@@ -57,7 +59,7 @@ static uint64_t g_held, g_abandoned;
 static PyTypeObject *g_op_type, *g_native_type, *g_entry_type;
 static PyObject *g_nothing, *g_native_copies, *g_op_ids, *g_protect, *g_wait_kind;
 static PyTypeObject *g_buffer_type;
-static PyObject *g_recorder, *g_dispatch, *g_zeroed, *g_typed, *g_new_cells;
+static PyObject *g_recorder, *g_dispatch, *g_zeroed, *g_typed, *g_new_cells, *g_name_id, *g_record_deps;
 
 /* offsets of the Op's slots */
 enum { S_AT, S_CELL, S_CMDS, S_DEPS, S_ENGINE, S_ERROR, S_GATE, S_ID, S_INPUTS, S_KEEP, S_LATER, S_NAME,
@@ -578,6 +580,29 @@ static int check_pairs(PyObject *inputs, PyObject **pairs) {
   return 1;
 }
 
+/* Whether a profile is being recorded (the op's work record then carries F_RECORD and its name): 1, 0, -1. */
+static int recording(void) {
+  PyObject *enabled = PyObject_GetAttr(g_recorder, s_enabled);
+  int truth = enabled ? PyObject_IsTrue(enabled) : -1;
+  Py_XDECREF(enabled);
+  return truth;
+}
+
+
+/* Whether a profile is recorded, for an op handed on already: 1 or 0 (an error is reported, not raised). */
+static int recording_now(void) {
+  int recorded = recording();
+  if (recorded < 0) PyErr_WriteUnraisable(g_recorder);
+  return recorded > 0;
+}
+
+/* Where a profile is recorded: that `op` waited for each of `deps` (a list, NULL after an error) on another queue
+ * (its flows), as the Python path records them. The op has been handed on: a failure is reported, not raised. */
+static void record_deps(PyObject *op, PyObject *deps) {
+  PyObject *r = deps ? PyObject_CallFunctionObjArgs(g_record_deps, op, deps, NULL) : NULL;
+  if (!r) PyErr_WriteUnraisable(g_record_deps);
+  Py_XDECREF(r);
+}
 /* The records of `op`'s `cmds` (WAIT commands, then one kernel or copy that the worker runs without Python), as
  * NativeEngine._pack makes them: a wait per WAIT, a dependency check where an input is unfinished (the op is then
  * registered with the engine's Python thread, which the worker asks when an input failed), the work, with
@@ -595,6 +620,14 @@ static int build_records(PyObject *engine, PyObject *op, PyObject *cmds, uint64_
   ar_cmd work;
   int kind = work_record(PyList_GET_ITEM(cmds, n - 1), &work);
   if (kind <= 0) return kind;
+  int recorded = recording();
+  uint32_t name_number = 0;
+  if (recorded) { /* a profile is recorded: the number of the work's name (before anything is registered) */
+    PyObject *name = recorded > 0 ? PyObject_CallOneArg(g_name_id, PyTuple_GET_ITEM(PyList_GET_ITEM(cmds, n - 1), 1)) : NULL;
+    name_number = name ? (uint32_t)PyLong_AsUnsignedLong(name) : 0;
+    Py_XDECREF(name);
+    if (!name || PyErr_Occurred()) return -1;
+  }
   uint64_t id = PyLong_AsUnsignedLongLong(SLOT(op, S_ID));
   if (PyErr_Occurred()) return -1;
   for (Py_ssize_t i = 0; i < n - 1; i++) {
@@ -657,6 +690,10 @@ static int build_records(PyObject *engine, PyObject *op, PyObject *cmds, uint64_
   rec->flags = F_END;
   rec->op = id;
   rec->index = index;
+  if (recorded) { /* its range is recorded, under its command's name */
+    rec->flags |= F_RECORD;
+    rec->name = name_number;
+  }
   if (n == 1 && (rec->kind == K_EXEC || rec->kind == K_COPY)) {
     PyObject *cmd = PyList_GET_ITEM(cmds, 0);
     *kept = rec->kind == K_EXEC
@@ -686,11 +723,13 @@ static void unregister(PyObject *engine, PyObject *op) {
   PyErr_Restore(type, value, traceback);
 }
 
-/* NativeEngine._enqueue for `op`, bound for native `engine` with `cmds` and no profile recording, under the
- * engine's lock: its records (build_records) appended through ar_submit, the op's value set and the op kept in
- * flight; finished ops retired in batches first. Sets op.engine, op.cmds and, where `deps` is given, op.deps.
- * 1, 0 before any side effect (Python's), -1 on error. */
-static int append_records(PyObject *engine, PyObject *op, PyObject *cmds, PyObject *deps, uint64_t gate) {
+/* NativeEngine._enqueue for `op`, bound for native `engine` with `cmds`, under the engine's lock: its records
+ * (build_records) appended through ar_submit, the op's value set and the op kept in flight; finished ops retired
+ * in batches first. Sets op.engine, op.cmds and, where `deps` is given, op.deps; `flows` (a list, or NULL): the
+ * ops a profile records it waited for, recorded before its records can run. 1, 0 before any side effect
+ * (Python's), -1 on error. */
+static int append_records(PyObject *engine, PyObject *op, PyObject *cmds, PyObject *deps, uint64_t gate,
+                          PyObject *flows) {
   ar_cmd recs[MAX_RECORDS];
   int nrec;
   PyObject *keep, *kept;
@@ -713,6 +752,7 @@ static int append_records(PyObject *engine, PyObject *op, PyObject *cmds, PyObje
   set_slot(op, S_ENGINE, engine);
   set_slot(op, S_CMDS, kept);
   if (deps && PyList_GET_SIZE(deps)) set_slot(op, S_DEPS, deps);
+  if (flows) record_deps(op, flows); /* before it can run, as Python records them */
   engine_state *st = state_of(engine);
   uint64_t value = st ? g_submit(st->core, recs, (uint32_t)nrec) : 0;
   if (!value) {
@@ -850,6 +890,14 @@ unlock:
       g_pend_on_sig(pend, dst->signal, op_value(dep));
     }
   }
+  if (recording_now()) { /* its flows: the conditions that wait for another queue's op to be done (before it
+                           * can be handed on and run, as Python records them) */
+    PyObject *waited = PyList_New(0);
+    for (int i = 0; waited && i < nconds; i++)
+      if (!conds[i].on_dispatch && PyList_Append(waited, conds[i].dep)) Py_CLEAR(waited);
+    record_deps(op, waited);
+    Py_XDECREF(waited);
+  }
   g_pend_go(pend);
   return 1;
 }
@@ -888,7 +936,7 @@ static int pend_held(PyObject *engine, PyObject *op, PyObject *body, PyObject *d
   if (!nconds) {
     if (lock_take(engine, s_lock)) return -1;
     int rc = engine_closed(engine);
-    if (rc == 0) rc = append_records(engine, op, body, deps, gate);
+    if (rc == 0) rc = append_records(engine, op, body, deps, gate, NULL);
     else if (rc == 1) rc = 0;
     return lock_give(engine, s_lock, rc);
   }
@@ -928,7 +976,7 @@ static int push(PyObject *engine, PyObject *op, PyObject *body, PyObject *deps, 
       waits[j].value = value;
     }
   }
-  if (!nwaits) return append_records(engine, op, body, deps, gate); /* the op's commands are `body`, as in Python */
+  if (!nwaits) return append_records(engine, op, body, deps, gate, NULL); /* its commands are `body`, as in Python */
   PyObject *cmds = PyList_New(0);
   int rc = cmds ? 0 : -1;
   for (int i = 0; i < nwaits && !rc; i++) {
@@ -939,18 +987,22 @@ static int push(PyObject *engine, PyObject *op, PyObject *body, PyObject *deps, 
     Py_XDECREF(sig);
   }
   if (!rc && PyList_Append(cmds, PyList_GET_ITEM(body, 0))) rc = -1;
-  if (!rc) rc = append_records(engine, op, cmds, deps, gate);
+  PyObject *waited = NULL; /* where a profile is recorded, its flows: the ops of the queues it waits for */
+  int recorded = rc ? 0 : recording();
+  if (recorded < 0) rc = -1;
+  if (recorded > 0 && !(waited = PyList_New(0))) rc = -1;
+  for (Py_ssize_t i = 0; waited && !rc && i < nd; i++) {
+    PyObject *dep = PyList_GET_ITEM(deps, i);
+    int j = 0;
+    while (j < nwaits && waits[j].engine != SLOT(dep, S_ENGINE)) j++;
+    if (j < nwaits && PyList_Append(waited, dep)) rc = -1;
+  }
+  if (!rc) rc = append_records(engine, op, cmds, deps, gate, waited);
+  Py_XDECREF(waited);
   Py_XDECREF(cmds);
   return rc;
 }
 
-/* Whether a profile is being recorded (its ops take the Python path, which records them): 1, 0, -1. */
-static int recording(void) {
-  PyObject *enabled = PyObject_GetAttr(g_recorder, s_enabled);
-  int truth = enabled ? PyObject_IsTrue(enabled) : -1;
-  Py_XDECREF(enabled);
-  return truth;
-}
 
 /* enqueue(engine, cmds, op): NativeEngine._enqueue's work in C where it can (see append_records): True, or
  * None for the Python path. */
@@ -963,8 +1015,6 @@ static PyObject *enqueue(PyObject *self, PyObject *const *args, Py_ssize_t nargs
   PyObject *engine = args[0], *cmds = args[1], *op = args[2];
   if (Py_TYPE(engine) != g_native_type || !PyList_Check(cmds) || Py_TYPE(op) != g_op_type)
     Py_RETURN_NONE;
-  int recorded = recording();
-  if (recorded) return recorded < 0 ? NULL : Py_NewRef(Py_None);
   uint64_t gate = 0;
   PyObject *g = SLOT(op, S_GATE);
   if (g != Py_None) {
@@ -973,7 +1023,7 @@ static PyObject *enqueue(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     gate = (uint64_t)(uintptr_t)view.buf;
     PyBuffer_Release(&view);
   }
-  int rc = append_records(engine, op, cmds, NULL, gate);
+  int rc = append_records(engine, op, cmds, NULL, gate, NULL);
   if (rc < 0) return NULL;
   return Py_NewRef(rc ? Py_True : Py_None);
 }
@@ -1144,15 +1194,13 @@ static PyObject *submit(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 
 /* ---- the device's op methods: BaseDevice.launch, copyin and copyout for the common call ---------------- */
 
-/* Whether `dev` takes ops on this path: open, no profile recording. 1, 0 (the Python path), -1. */
+/* Whether `dev` takes ops on this path: open. 1, 0 (the Python path), -1. */
 static int device_ready(PyObject *dev) {
   PyObject *state = PyObject_GetAttr(dev, s_state);
   if (!state) return -1;
   int open = state == s_open || (PyUnicode_Check(state) && PyUnicode_Compare(state, s_open) == 0);
   Py_DECREF(state);
-  if (!open) return 0;
-  int recorded = recording();
-  return recorded < 0 ? -1 : !recorded;
+  return open;
 }
 
 static int same(PyObject *a, PyObject *b) { /* a == b for str or int objects that the caller compares */
@@ -1555,14 +1603,20 @@ static PyObject *state(PyObject *self, PyObject *args) {
 static PyObject *init(PyObject *self, PyObject *args) {
   (void)self;
   PyObject *op_type, *native_type, *entry_type, *nothing, *native_copies, *op_ids, *protect, *wait_kind;
-  PyObject *buffer_type, *recorder, *dispatch, *zeroed, *typed, *new_cells;
+  PyObject *buffer_type, *recorder, *dispatch, *zeroed, *typed, *new_cells, *name_id, *record_deps_fn;
   unsigned long long submit_address, held, abandoned, pend_new, pend_on_sig, pend_on_pend, pend_go;
   Py_ssize_t cells;
-  if (!PyArg_ParseTuple(args, "KKKKKKKnOOOOOOOOOOOOOO", &submit_address, &pend_new, &pend_on_sig, &pend_on_pend,
+  if (!PyArg_ParseTuple(args, "KKKKKKKnOOOOOOOOOOOOOOOO", &submit_address, &pend_new, &pend_on_sig, &pend_on_pend,
                         &pend_go, &held, &abandoned, &cells, &op_type, &native_type, &entry_type, &nothing,
                         &native_copies, &op_ids, &protect, &wait_kind, &buffer_type, &recorder, &dispatch, &zeroed,
-                        &typed, &new_cells))
+                        &typed, &new_cells, &name_id, &record_deps_fn))
     return NULL;
+  if (!PyCallable_Check(name_id) || !PyCallable_Check(record_deps_fn)) {
+    PyErr_SetString(PyExc_TypeError, "init: the profile's name numbering and flow recording functions expected");
+    return NULL;
+  }
+  g_name_id = Py_NewRef(name_id);
+  g_record_deps = Py_NewRef(record_deps_fn);
   if (!pend_new || !pend_on_sig || !pend_on_pend || !pend_go || cells < 1 || !PyCallable_Check(new_cells)) {
     PyErr_SetString(PyExc_TypeError, "init: the core's pending-op functions, a cell count and a cell maker expected");
     return NULL;

@@ -69,8 +69,8 @@ class _ExtensionCompiler(Compiler):
         return cc.build(src, (*FLAGS, f"-I{_include()}"))
 
 
-def _build(lib: ctypes.CDLL, native_type: type, new_cells: Callable[[], Sized]) -> Fast:
-    from aruntime.engine.dispatch import dispatch_when_ready
+def _build(lib: ctypes.CDLL, native_type: type, new_cells: Callable[[], Sized], name_id: Callable[[str], int]) -> Fast:
+    from aruntime.engine.dispatch import _record_deps, dispatch_when_ready
     from aruntime.engine.kernel import _NATIVE_COPIES, _NOTHING, Entry
     from aruntime.engine.ops import ABANDONED, HELD, WAIT, Op, protect
     from aruntime.events import op_ids, recorder
@@ -83,15 +83,16 @@ def _build(lib: ctypes.CDLL, native_type: type, new_cells: Callable[[], Sized]) 
     addresses = (ctypes.cast(f, ctypes.c_void_p).value for f in functions)
     module.init(
         *addresses, HELD, ABANDONED, len(new_cells()), Op, native_type, Entry, _NOTHING, _NATIVE_COPIES, op_ids,
-        protect, WAIT, Buffer, recorder, dispatch_when_ready, zeroed, typed, new_cells,
+        protect, WAIT, Buffer, recorder, dispatch_when_ready, zeroed, typed, new_cells, name_id, _record_deps,
     )  # fmt: skip
     return module
 
 
-def load(lib: ctypes.CDLL, native_type: type, new_cells: Callable[[], Sized]) -> Fast:
+def load(lib: ctypes.CDLL, native_type: type, new_cells: Callable[[], Sized], name_id: Callable[[str], int]) -> Fast:
     """The C submission path for native engines of ``native_type`` over the core ``lib`` (``new_cells``: what
-    makes the array of cells their pending ops' values are written into), built on the first call; None where
-    it cannot be had (see :data:`unavailable`) or ``ARUNTIME_FAST_SUBMIT=0`` switches it off."""
+    makes the array of cells their pending ops' values are written into; ``name_id``: the number a recorded
+    range's name goes by), built on the first call; None where it cannot be had (see :data:`unavailable`) or
+    ``ARUNTIME_FAST_SUBMIT=0`` switches it off."""
     global _module, _built, unavailable
     if not getenv("FAST_SUBMIT", 1, minimum=0, maximum=1):
         return None
@@ -99,7 +100,7 @@ def load(lib: ctypes.CDLL, native_type: type, new_cells: Callable[[], Sized]) ->
         with _lock:
             if not _built:
                 try:
-                    _module = _build(lib, native_type, new_cells)
+                    _module = _build(lib, native_type, new_cells, name_id)
                 except Exception as exc:  # no headers, no compiler, a failed build or load
                     unavailable = f"the C submission path could not be built: {exc}"
                 _built = True
