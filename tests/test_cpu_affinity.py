@@ -1,14 +1,19 @@
-"""A CPU device's two queues run on one CPU (``ARUNTIME_CPU_AFFINITY``, ``CPUDevice.cpu``)."""
+"""Where a CPU device's queues run: on the shared workers (the default, ``ARUNTIME_WORKERS``), or on threads of
+their own that may be pinned to one CPU (``ARUNTIME_CPU_AFFINITY``, ``CPUDevice.cpu``)."""
 
 from __future__ import annotations
 
 import array
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
-from aruntime import Device, Scheduler, dtypes
+from aruntime import Device, DeviceError, Scheduler, dtypes
 from aruntime.backends.cpu import CPUDevice, default_cpu
+from aruntime.engine import NativeEngine, workers_shared
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="thread affinity is Linux-only")
 
@@ -22,12 +27,46 @@ def affinity(dev: CPUDevice) -> tuple[set[int], set[int]]:
     return os.sched_getaffinity(dev.compute.thread_id), os.sched_getaffinity(dev.copy.thread_id)
 
 
-def test_devices_are_unpinned_by_default() -> None:
+def _native(dev: CPUDevice) -> None:
+    if not isinstance(dev.compute, NativeEngine):
+        pytest.skip("the Python engine runs a thread per queue")
+
+
+def test_devices_run_on_the_shared_workers_by_default() -> None:
     dev = Device["CPU:1"]
     assert isinstance(dev, CPUDevice)
+    _native(dev)
     assert dev.cpu is None
-    allowed = os.sched_getaffinity(0)
-    assert affinity(dev) == (allowed, allowed)
+    assert [engine.shared for engine in dev.engines] == [True, True]
+    assert dev.compute.thread_id == dev.copy.thread_id == 0  # no thread of their own
+
+
+def test_pinning_a_device_on_the_shared_workers_is_refused_and_changes_nothing() -> None:
+    dev = Device["CPU:1"]
+    assert isinstance(dev, CPUDevice)
+    _native(dev)
+    with pytest.raises(DeviceError, match=r"shared workers.*ARUNTIME_WORKERS=queue"):
+        dev.cpu = min(os.sched_getaffinity(0))
+    assert dev.cpu is None
+
+
+def test_the_workers_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    for value, shared in (("shared", True), (" Queue ", False)):
+        monkeypatch.setenv("ARUNTIME_WORKERS", value)
+        assert workers_shared() is shared
+    monkeypatch.setenv("ARUNTIME_WORKERS", "threads")
+    with pytest.raises(ValueError, match="ARUNTIME_WORKERS='threads'"):
+        Device["CPU:101"]  # refused before the device makes anything
+    monkeypatch.setenv("ARUNTIME_WORKERS", "queue")
+    dev = Device["CPU:101"]
+    try:
+        assert isinstance(dev, CPUDevice)
+        _native(dev)
+        allowed = os.sched_getaffinity(0)
+        assert [engine.shared for engine in dev.engines] == [False, False]
+        assert affinity(dev) == (allowed, allowed)  # threads of their own, unpinned
+    finally:
+        dev.close()
 
 
 def test_auto_spreads_devices_over_the_cpus_the_process_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -45,8 +84,9 @@ def test_auto_spreads_devices_over_the_cpus_the_process_may_use(monkeypatch: pyt
             dev.close()
 
 
-def test_moving_and_unpinning_a_device() -> None:
-    dev = Device["CPU:5"]
+def test_moving_and_unpinning_a_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ARUNTIME_WORKERS", "queue")
+    dev = Device["CPU:102"]
     assert isinstance(dev, CPUDevice)
     allowed = os.sched_getaffinity(0)
     first = min(allowed)
@@ -56,8 +96,10 @@ def test_moving_and_unpinning_a_device() -> None:
         assert affinity(dev) == (allowed, allowed)
         dev.cpu = first
         assert affinity(dev) == ({first}, {first})
+        dev.cpu = None
+        assert affinity(dev) == (allowed, allowed)
     finally:
-        dev.cpu = default_cpu(dev.name)
+        dev.close()
 
 
 @pytest.mark.parametrize("bad", [-1, 4096, 1.0, True, "0"])
@@ -117,3 +159,41 @@ async def test_devices_work_when_the_process_may_use_one_cpu(monkeypatch: pytest
     finally:
         for dev in devs:
             await dev.aclose()
+
+
+def test_the_shared_workers_serve_two_devices_when_the_process_may_use_one_cpu() -> None:
+    """One CPU allowed: one shared worker (it never polls) runs a two-device pipeline whose queues wait for each
+    other, eagerly (waits in the queues) and through a Scheduler (held in the core)."""
+    code = textwrap.dedent(
+        f"""
+        import array, os
+        os.sched_setaffinity(0, {{max(os.sched_getaffinity(0))}})
+        import anyio
+        from aruntime import Device, Scheduler, dtypes, transfer
+        INC = {INC!r}
+        async def main():
+            devs = [Device["CPU"], Device["CPU:1"]]
+            assert all(engine.shared for dev in devs for engine in dev.engines)
+            n = 1024
+            progs = [await dev.compile(INC, outs=(0,)) for dev in devs]
+            a, b = await devs[0].allocate(n, dtypes.int32), await devs[1].allocate(n, dtypes.int32)
+            devs[0].copyin(a, array.array("i", range(n)))
+            for _ in range(20):  # eager: each step waits in its queue for the one before, on another queue
+                devs[0].launch(progs[0], a, vals=(n,))
+                transfer(b, a)
+                devs[1].launch(progs[1], b, vals=(n,))
+                transfer(a, b)
+            async with Scheduler() as sched:  # held in the core instead
+                for _ in range(50):
+                    sched.launch(progs[0], a, vals=(n,))
+                    sched.transfer(b, a)
+                    sched.launch(progs[1], b, vals=(n,))
+                    sched.transfer(a, b)
+                result = sched.copyout(a)
+            print(list(await result) == [i + 140 for i in range(n)], devs[0].compute.spin_ns)
+        anyio.run(main)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "0"]

@@ -316,12 +316,16 @@ class CPUDevice(BaseDevice):
 
     def __init__(self, name: str) -> None:
         cpu = default_cpu(name)  # a bad setting is refused before any thread starts
+        self._pinned = cpu is not None
         super().__init__(name)
         flags = getenv("CPU_FLAGS", "")
         if flags:
             self.flags = tuple(flags.split())
         self._cpu: int | None = None
         self.cpu = cpu
+
+    def _shares_workers(self) -> bool:
+        return not self._pinned  # pinned queues have worker threads of their own
 
     @property
     def cpu(self) -> int | None:

@@ -65,6 +65,9 @@ class NullDevice(BaseDevice):
     compiler_type = NullCompiler
     copy_fn = staticmethod(_nothing)
 
+    def _shares_workers(self) -> bool:
+        return True
+
 
 device_class = NullDevice
 """The class the registry opens for this kind."""

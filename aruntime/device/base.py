@@ -102,7 +102,13 @@ class BaseDevice(Closing, ProfileHooks):
     def _make_engine(self, kind: str, timeout: float) -> Engine:
         """A new engine for the ``kind`` queue: ``compute``, ``copy``, or either with ``_high`` (a high-priority
         queue; its :attr:`Engine.priority` says so)."""
-        return make_engine(self.name, kind, timeout, chunk=getenv("COPY_CHUNK", 8 << 20, minimum=1))
+        chunk = getenv("COPY_CHUNK", 8 << 20, minimum=1)
+        return make_engine(self.name, kind, timeout, chunk=chunk, shared=self._shares_workers())
+
+    def _shares_workers(self) -> bool:
+        """Whether this device's native queues may run on the shared workers (see :func:`make_engine`): those
+        of a kind whose commands never block a worker for long on anything but its own work (CPU, NULL)."""
+        return False
 
     def queue(self, kind: str, priority: int = 0) -> Engine:
         """The engine that runs this device's ``kind`` ops (``"compute"`` or ``"copy"``) of ``priority``.

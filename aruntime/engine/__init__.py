@@ -32,15 +32,27 @@ from aruntime.engine.ops import (
 )
 from aruntime.engine.signal import TimelineSignal, wait_registered
 from aruntime.engine.thread import ThreadEngine
+from aruntime.helpers import getenv
 
 engine_name = native.engine_name
 
 
-def make_engine(device: str, kind: str, timeout: float, chunk: int) -> Engine:
-    """A new engine for ``device``'s ``kind`` queue ("compute" or "copy"): native where the core is in use."""
+def make_engine(device: str, kind: str, timeout: float, chunk: int, shared: bool = False) -> Engine:
+    """A new engine for ``device``'s ``kind`` queue ("compute" or "copy"): native where the core is in use,
+    run by the shared workers where ``shared`` and :func:`workers_shared` say so (see :class:`NativeEngine`)."""
     if native.lib() is not None:
-        return NativeEngine(device, kind, timeout, chunk=chunk)
+        return NativeEngine(device, kind, timeout, chunk=chunk, shared=shared and workers_shared())
     return ThreadEngine(device, kind, timeout, chunk=chunk)
+
+
+def workers_shared() -> bool:
+    """``ARUNTIME_WORKERS``: ``shared`` (the default: the native queues of CPU and NULL devices run on one worker
+    thread per CPU the process may use, serving them in the order they get work) or ``queue`` (a worker thread
+    per queue). Another value is a ``ValueError`` naming the variable."""
+    setting = getenv("WORKERS", "shared").strip().lower()
+    if setting not in ("shared", "queue"):
+        raise ValueError(f"environment variable ARUNTIME_WORKERS={setting!r}: expected 'shared' or 'queue'")
+    return setting == "shared"
 
 
 __all__ = [
@@ -70,4 +82,5 @@ __all__ = [
     "first_failure",
     "make_engine",
     "wait_registered",
+    "workers_shared",
 ]

@@ -26,7 +26,7 @@ from aruntime.errors import CacheError, DeviceError
 from aruntime.helpers import getenv
 
 FLAGS = ("-O2", "-pthread", "-fPIC", "-shared")
-VERSION = 3
+VERSION = 4
 """The core's ABI version (``ar_version()``); a mismatch means a stale build."""
 
 unavailable: str | None = None
@@ -97,7 +97,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("ar_notifier_free", None, [c_int]),
         ("ar_notifier_ack", None, [c_int]),
         ("ar_notify", None, [c_int]),
-        ("ar_engine_new", p, [p, i64]),
+        ("ar_engine_new", p, [p, i64, c_int]),
         ("ar_submit", u64, None),  # (engine, records, count): no argtypes, the fastest ctypes call
         ("ar_pend_new", p, [p, ctypes.c_char_p, u32, p]),
         ("ar_pend_on_sig", None, [p, p, u64]),

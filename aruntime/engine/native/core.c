@@ -8,9 +8,9 @@
  * blocked threads and writes the file descriptor of every notifier whose armed value was reached, at most
  * once until that notifier acknowledges (so a burst of completions costs a loop one wake-up).
  *
- * Engines. An engine owns a worker thread and an unbounded single-producer queue of fixed-size command
- * records (a linked list of chunks). The worker runs wait / signal / timestamp / copy / exec / check /
- * python commands in order; the last command of an op carries END and sets the engine's timeline signal to
+ * Engines. An engine owns an unbounded single-producer queue of fixed-size command records (a linked list of
+ * chunks) and a worker: a thread of its own, or one of the shared workers (see below). The worker runs
+ * wait / signal / timestamp / copy / exec / check / python commands in order; the last command of an op carries END and sets the engine's timeline signal to
  * the op's value. A failing command is logged (op value, command index, kind, code) before that value is
  * set, and the op's remaining commands are skipped except its signals. "python" commands are handed to a
  * Python thread of the engine's own (ar_py_next / ar_py_done) while the worker waits: the worker never
@@ -21,6 +21,15 @@
  * sibling has records not yet taken and is not blocked in a wait for another queue (that wait may be for this
  * very engine). An op that runs is never interrupted, and an op the sibling runs with nothing queued behind it
  * runs alongside this engine's next one, each on a core of its own where there are spare ones.
+ *
+ * Shared workers. An engine made with `workers` > 0 has no thread of its own: a process-wide set of that many
+ * worker threads (started with the first such engine) serves every such engine's queue, one worker at a time,
+ * in the order the queues got work they can run (a ready list). A worker runs a queue's records until it is
+ * empty, its next record waits for a signal not yet reached (the queue is parked, and any signal that advances
+ * puts the parked queues back on the ready list, or a worker does once the wait's timeout has passed), or, at an
+ * op boundary, another queue is ready (it goes to the back of the list). So a process with as many workers as
+ * CPUs never has more of them runnable than CPUs, whatever the number of queues, and a device's copy and its
+ * kernel may run one after the other on the same worker.
  *
  * Pending ops. An op that must wait for ops of other queues is handed to the core with what it waits for
  * (signal values, or other pending ops); the thread that meets the last of them appends it to its queue's
@@ -40,7 +49,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define AR_VERSION 3
+#define AR_VERSION 4
 #define MAXN 64       /* notifiers (event loops waiting at once) */
 #define CHUNK 256     /* command records per queue chunk */
 #define NEVER UINT64_MAX
@@ -93,6 +102,8 @@ typedef struct watch {
 
 static void watches_fire(ar_sig *s, uint64_t v);
 static void watches_drop(ar_sig *s);
+static _Atomic int parked_queues; /* queues of the shared workers parked on a wait (see "shared workers") */
+static void unpark_all(void);
 
 static ar_sig *all_sigs;
 static pthread_mutex_t sigs_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -209,6 +220,7 @@ int ar_sig_set(ar_sig *s, uint64_t v) {
   do {
     if (v <= old) return -1;
   } while (!atomic_compare_exchange_weak(&s->value, &old, v));
+  if (atomic_load(&parked_queues)) unpark_all(); /* a parked queue's wait may be met now: it looks again */
   if (atomic_load(&s->blocked)) { /* as in append: signalled once the lock is free */
     pthread_mutex_lock(&s->lock);
     pthread_mutex_unlock(&s->lock);
@@ -397,7 +409,22 @@ typedef struct ar_engine {
   int py_stop;
   pthread_t thread;
   int started, joined;
+  /* the state of the op the worker runs, kept with the queue (a shared worker may carry on where another left) */
+  uint64_t skipping; /* the value of an op whose rest is skipped after a failure */
+  uint64_t current;  /* the value of the op being run */
+  int64_t taken_t;   /* when the worker took it */
+  int boundary;      /* the next record starts an op */
+  /* shared workers (see above) */
+  int shared;
+  _Atomic int run_state;        /* R_IDLE, R_QUEUED, R_RUNNING, R_PARKED: under pool.lock (read outside it) */
+  struct ar_engine *next_ready; /* on the ready list or the parked list */
+  int64_t parked_at;            /* when its next record, a wait, first found its signal short (0: it has not) */
+  int64_t park_until;           /* when that wait times out (INT64_MAX: never) */
+  int64_t idle_at;              /* when a shared worker last let go of it with its queue empty (0: since taken) */
+  int finished;                 /* its K_STOP has run (under lock; ar_engine_join waits on cond) */
 } ar_engine;
+
+enum { R_IDLE, R_QUEUED, R_RUNNING, R_PARKED };
 
 static void log_failure(ar_engine *e, const ar_cmd *c, uint32_t kind, int64_t code) {
   pthread_mutex_lock(&e->log_lock);
@@ -481,36 +508,53 @@ static void yield_to_high(ar_engine *e) {
   while (has_runnable(h)) ar_sig_wait(h->timeline, atomic_load(&h->timeline->value) + 1, YIELD_NS);
 }
 
-static ar_cmd *next_cmd(ar_engine *e) {
-  uint64_t consumed = atomic_load_explicit(&e->consumed, memory_order_relaxed);
-  int64_t start = 0;
-  if (atomic_load_explicit(&e->published, memory_order_acquire) == consumed) {
-    start = now_ns();
-    int64_t spin = atomic_load_explicit(&e->spin_now, memory_order_relaxed), until = start + spin;
-    while (atomic_load_explicit(&e->published, memory_order_acquire) == consumed) {
-      if (spin && now_ns() < until) { /* poll a while (a wake-up costs more), giving the CPU to any thread that wants it */
-        sched_yield();
-        continue;
-      }
-      pthread_mutex_lock(&e->lock);
-      atomic_store(&e->sleeping, 1);
-      while (atomic_load(&e->published) == consumed) pthread_cond_wait(&e->cond, &e->lock);
-      atomic_store(&e->sleeping, 0);
-      pthread_mutex_unlock(&e->lock);
-    }
-  }
+/* The record at the head of e's queue, published and not yet taken; NULL if there is none. Its worker only. */
+static ar_cmd *head_cmd(ar_engine *e) {
+  if (atomic_load_explicit(&e->published, memory_order_acquire) == atomic_load_explicit(&e->consumed, memory_order_relaxed))
+    return NULL;
   if (e->head_pos == CHUNK) {
     chunk *old = e->head;
     e->head = atomic_load_explicit(&old->next, memory_order_acquire);
     e->head_pos = 0;
     free(old);
   }
-  ar_cmd *cmd = &e->head->cmds[e->head_pos];
-  if (start && e->spin_ns) { /* polling pays where work comes back within spin_ns of running out: poll that long
-                              * next time, else half as long (by when it was appended, not when it was seen) */
-    int64_t came = cmd->t ? cmd->t : now_ns(), spin = atomic_load_explicit(&e->spin_now, memory_order_relaxed);
-    atomic_store_explicit(&e->spin_now, came - start <= e->spin_ns ? e->spin_ns : spin / 2, memory_order_relaxed);
+  return &e->head->cmds[e->head_pos];
+}
+
+/* Take the head record (copied out first: its slot may be freed with its chunk once it is taken). */
+static ar_cmd take_cmd(ar_engine *e, const ar_cmd *c) {
+  ar_cmd cmd = *c;
+  e->head_pos++;
+  atomic_store_explicit(&e->consumed, atomic_load_explicit(&e->consumed, memory_order_relaxed) + 1,
+                        memory_order_release);
+  return cmd;
+}
+
+/* Polling pays where work comes back within spin_ns of running out: poll that long next time, else half as long
+ * (judged by when the work was appended, `came`, not when it was seen; `start`: when the work ran out). */
+static void adapt_spin(_Atomic int64_t *spin_now, int64_t spin_ns, int64_t start, int64_t came) {
+  int64_t spin = atomic_load_explicit(spin_now, memory_order_relaxed);
+  atomic_store_explicit(spin_now, came - start <= spin_ns ? spin_ns : spin / 2, memory_order_relaxed);
+}
+
+/* A worker of its own: the next record of e's queue, once there is one (polling a while, then asleep). */
+static ar_cmd *next_cmd(ar_engine *e) {
+  ar_cmd *cmd = head_cmd(e);
+  if (cmd) return cmd;
+  int64_t start = now_ns(), spin = atomic_load_explicit(&e->spin_now, memory_order_relaxed), until = start + spin;
+  while (!(cmd = head_cmd(e))) {
+    if (spin && now_ns() < until) { /* poll a while (a wake-up costs more), giving the CPU to any thread that wants it */
+      sched_yield();
+      continue;
+    }
+    pthread_mutex_lock(&e->lock);
+    atomic_store(&e->sleeping, 1);
+    while (atomic_load(&e->published) == atomic_load_explicit(&e->consumed, memory_order_relaxed))
+      pthread_cond_wait(&e->cond, &e->lock);
+    atomic_store(&e->sleeping, 0);
+    pthread_mutex_unlock(&e->lock);
   }
+  if (e->spin_ns) adapt_spin(&e->spin_now, e->spin_ns, start, cmd->t ? cmd->t : now_ns());
   return cmd;
 }
 
@@ -530,145 +574,413 @@ static int run_python(ar_engine *e, const ar_cmd *c) {
 
 typedef int (*entry_fn)(const uint64_t *args);
 
-static void *worker(void *arg) {
-  ar_engine *e = arg;
-  atomic_store(&e->tid, (int64_t)syscall(SYS_gettid));
-  uint64_t skipping = 0; /* the value of an op whose rest is skipped after a failure */
-  uint64_t current = 0;  /* the value of the op being run */
-  int64_t taken = 0;     /* when the worker took it */
-  int boundary = 1;      /* the next record starts an op */
-  for (;;) {
-    if (boundary) yield_to_high(e);
-    ar_cmd *c = next_cmd(e);
-    ar_cmd cmd = *c; /* the slot may be freed with its chunk once consumed */
-    e->head_pos++;
-    atomic_store_explicit(&e->consumed, atomic_load_explicit(&e->consumed, memory_order_relaxed) + 1,
-                          memory_order_release);
-    boundary = (cmd.flags & F_END) != 0;
-    if (cmd.kind == K_STOP) break;
-    if (cmd.value != current) {
-      current = cmd.value;
-      atomic_store_explicit(&e->taken, current, memory_order_relaxed);
-      if (e->metrics) {
-        taken = now_ns();
-        atomic_store_explicit(&e->taken_at, taken, memory_order_relaxed);
-        atomic_fetch_add_explicit(&e->queued_hist[bucket(taken - cmd.t)], 1, memory_order_relaxed);
-      }
-    }
-    if (cmd.d && cmd.kind >= K_COPY && cmd.kind <= K_PY && skipping != cmd.value) {
-      /* the op's first copy, kernel or check, its waits passed: d is its gate (skip flag, deadline ns, shared) */
-      const int64_t *gate = (const int64_t *)(uintptr_t)cmd.d;
-      int kind = __atomic_load_n(&gate[2], __ATOMIC_ACQUIRE)  ? 0 /* read by work outside: never skipped */
-                 : (gate[1] && now_ns() >= gate[1])          ? E_DEADLINE
-                 : __atomic_load_n(&gate[0], __ATOMIC_ACQUIRE) ? E_SKIPPED
-                                                               : 0;
-      if (kind) {
-        log_failure(e, &cmd, (uint32_t)kind, 0);
-        atomic_fetch_add(&e->skipped, 1);
-        skipping = cmd.value;
-      }
-    }
-    if (skipping == cmd.value) {
-      if (cmd.kind == K_SIGNAL) ar_sig_set((ar_sig *)(uintptr_t)cmd.a, cmd.b);
-    } else {
-      int64_t start = (cmd.flags & F_RECORD) ? now_ns() : 0;
-      int ranged = 0;
-      switch (cmd.kind) {
-        case K_WAIT: {
-          ar_sig *s = (ar_sig *)(uintptr_t)cmd.a;
-          if (atomic_load(&s->value) < cmd.b) {
-            atomic_store(&e->waiting, 1);
-            int timed_out = ar_sig_wait(s, cmd.b, (int64_t)cmd.c);
-            atomic_store(&e->waiting, 0);
-            if (timed_out) {
-              log_failure(e, &cmd, E_TIMEOUT, (int64_t)atomic_load(&s->value));
-              skipping = cmd.value;
-            }
-          }
-          break;
-        }
-        case K_SIGNAL:
-          if (ar_sig_set((ar_sig *)(uintptr_t)cmd.a, cmd.b)) {
-            log_failure(e, &cmd, E_ORDER, (int64_t)cmd.b);
-            skipping = cmd.value;
-          }
-          break;
-        case K_TIMESTAMP:
-          *(int64_t *)(uintptr_t)cmd.a = now_ns();
-          break;
-        case K_COPY: {
-          char *dst = (char *)(uintptr_t)cmd.a;
-          const char *src = (const char *)(uintptr_t)cmd.b;
-          memmove(dst, src, cmd.c);
-          ranged = 1;
-          break;
-        }
-        case K_EXEC: {
-          int rc = ((entry_fn)(uintptr_t)cmd.a)((const uint64_t *)(uintptr_t)cmd.b);
-          ranged = !rc; /* a command that failed records no range */
-          if (rc) {
-            log_failure(e, &cmd, E_KERNEL, rc);
-            skipping = cmd.value;
-          }
-          break;
-        }
-        case K_NOP:
-          ranged = 1;
-          break;
-        case K_CHECK: {
-          /* a = pointer to b pairs (engine, value) of inputs (a value with TAG set: the address of the cell of
-           * an op that was pending); if any of their engines has a failure at or after the input's value,
-           * Python decides (command index c) */
-          const uint64_t *pairs = (const uint64_t *)(uintptr_t)cmd.a;
-          int ask = 0;
-          for (uint64_t i = 0; i < cmd.b; i++) {
-            ar_engine *other = (ar_engine *)(uintptr_t)pairs[2 * i];
-            uint64_t v = pairs[2 * i + 1];
-            if (v & TAG) v = __atomic_load_n((uint64_t *)(uintptr_t)(v & ~TAG), __ATOMIC_ACQUIRE);
-            if (!other || v == ABANDONED || atomic_load(&other->last_failed) >= v) ask = 1;
-          }
-          if (ask && run_python(e, &cmd)) {
-            log_failure(e, &cmd, E_PYTHON, 0);
-            skipping = cmd.value;
-          }
-          break;
-        }
-        case K_PY:
-          ranged = 1;
-          if (run_python(e, &cmd)) {
-            ranged = 0;
-            log_failure(e, &cmd, E_PYTHON, 0);
-            skipping = cmd.value;
-          }
-          break;
-      }
-      if (ranged && (cmd.flags & F_RECORD)) log_range(e, &cmd, start, now_ns());
-    }
-    if (cmd.flags & F_END) {
-      if (skipping == cmd.value) skipping = 0;
-      if (e->metrics) {
-        int64_t ran = now_ns() - taken;
-        atomic_fetch_add_explicit(&e->run_hist[bucket(ran)], 1, memory_order_relaxed);
-        atomic_fetch_add_explicit(&e->busy_ns, (uint64_t)ran, memory_order_relaxed);
-        atomic_store_explicit(&e->taken_at, 0, memory_order_relaxed);
-      }
-      ar_sig_set(e->timeline, cmd.value);
+/* Run `cmd`, the record just taken off e's queue (not a K_STOP), as e's worker: a wait blocks for its signal. */
+static void run_record(ar_engine *e, const ar_cmd *cmd) {
+  e->boundary = (cmd->flags & F_END) != 0;
+  if (cmd->value != e->current) {
+    e->current = cmd->value;
+    atomic_store_explicit(&e->taken, e->current, memory_order_relaxed);
+    if (e->metrics) {
+      e->taken_t = now_ns();
+      atomic_store_explicit(&e->taken_at, e->taken_t, memory_order_relaxed);
+      atomic_fetch_add_explicit(&e->queued_hist[bucket(e->taken_t - cmd->t)], 1, memory_order_relaxed);
     }
   }
+  if (cmd->d && cmd->kind >= K_COPY && cmd->kind <= K_PY && e->skipping != cmd->value) {
+    /* the op's first copy, kernel or check, its waits passed: d is its gate (skip flag, deadline ns, shared) */
+    const int64_t *gate = (const int64_t *)(uintptr_t)cmd->d;
+    int kind = __atomic_load_n(&gate[2], __ATOMIC_ACQUIRE)  ? 0 /* read by work outside: never skipped */
+               : (gate[1] && now_ns() >= gate[1])          ? E_DEADLINE
+               : __atomic_load_n(&gate[0], __ATOMIC_ACQUIRE) ? E_SKIPPED
+                                                             : 0;
+    if (kind) {
+      log_failure(e, cmd, (uint32_t)kind, 0);
+      atomic_fetch_add(&e->skipped, 1);
+      e->skipping = cmd->value;
+    }
+  }
+  if (e->skipping == cmd->value) {
+    if (cmd->kind == K_SIGNAL) ar_sig_set((ar_sig *)(uintptr_t)cmd->a, cmd->b);
+  } else {
+    int64_t start = (cmd->flags & F_RECORD) ? now_ns() : 0;
+    int ranged = 0;
+    switch (cmd->kind) {
+      case K_WAIT: {
+        ar_sig *s = (ar_sig *)(uintptr_t)cmd->a;
+        if (atomic_load(&s->value) < cmd->b) {
+          atomic_store(&e->waiting, 1);
+          int timed_out = ar_sig_wait(s, cmd->b, (int64_t)cmd->c);
+          atomic_store(&e->waiting, 0);
+          if (timed_out) {
+            log_failure(e, cmd, E_TIMEOUT, (int64_t)atomic_load(&s->value));
+            e->skipping = cmd->value;
+          }
+        }
+        break;
+      }
+      case K_SIGNAL:
+        if (ar_sig_set((ar_sig *)(uintptr_t)cmd->a, cmd->b)) {
+          log_failure(e, cmd, E_ORDER, (int64_t)cmd->b);
+          e->skipping = cmd->value;
+        }
+        break;
+      case K_TIMESTAMP:
+        *(int64_t *)(uintptr_t)cmd->a = now_ns();
+        break;
+      case K_COPY: {
+        char *dst = (char *)(uintptr_t)cmd->a;
+        const char *src = (const char *)(uintptr_t)cmd->b;
+        memmove(dst, src, cmd->c);
+        ranged = 1;
+        break;
+      }
+      case K_EXEC: {
+        int rc = ((entry_fn)(uintptr_t)cmd->a)((const uint64_t *)(uintptr_t)cmd->b);
+        ranged = !rc; /* a command that failed records no range */
+        if (rc) {
+          log_failure(e, cmd, E_KERNEL, rc);
+          e->skipping = cmd->value;
+        }
+        break;
+      }
+      case K_NOP:
+        ranged = 1;
+        break;
+      case K_CHECK: {
+        /* a = pointer to b pairs (engine, value) of inputs (a value with TAG set: the address of the cell of
+         * an op that was pending); if any of their engines has a failure at or after the input's value,
+         * Python decides (command index c) */
+        const uint64_t *pairs = (const uint64_t *)(uintptr_t)cmd->a;
+        int ask = 0;
+        for (uint64_t i = 0; i < cmd->b; i++) {
+          ar_engine *other = (ar_engine *)(uintptr_t)pairs[2 * i];
+          uint64_t v = pairs[2 * i + 1];
+          if (v & TAG) v = __atomic_load_n((uint64_t *)(uintptr_t)(v & ~TAG), __ATOMIC_ACQUIRE);
+          if (!other || v == ABANDONED || atomic_load(&other->last_failed) >= v) ask = 1;
+        }
+        if (ask && run_python(e, cmd)) {
+          log_failure(e, cmd, E_PYTHON, 0);
+          e->skipping = cmd->value;
+        }
+        break;
+      }
+      case K_PY:
+        ranged = 1;
+        if (run_python(e, cmd)) {
+          ranged = 0;
+          log_failure(e, cmd, E_PYTHON, 0);
+          e->skipping = cmd->value;
+        }
+        break;
+    }
+    if (ranged && (cmd->flags & F_RECORD)) log_range(e, cmd, start, now_ns());
+  }
+  if (cmd->flags & F_END) {
+    if (e->skipping == cmd->value) e->skipping = 0;
+    if (e->metrics) {
+      int64_t ran = now_ns() - e->taken_t;
+      atomic_fetch_add_explicit(&e->run_hist[bucket(ran)], 1, memory_order_relaxed);
+      atomic_fetch_add_explicit(&e->busy_ns, (uint64_t)ran, memory_order_relaxed);
+      atomic_store_explicit(&e->taken_at, 0, memory_order_relaxed);
+    }
+    ar_sig_set(e->timeline, cmd->value);
+  }
+}
+
+/* Let the Python thread of e know that e has stopped. */
+static void stop_python(ar_engine *e) {
   pthread_mutex_lock(&e->py_lock);
   e->py_stop = 1;
   pthread_cond_broadcast(&e->py_cond);
   pthread_mutex_unlock(&e->py_lock);
+}
+
+static void *worker(void *arg) {
+  ar_engine *e = arg;
+  atomic_store(&e->tid, (int64_t)syscall(SYS_gettid));
+  for (;;) {
+    if (e->boundary) yield_to_high(e);
+    ar_cmd cmd = take_cmd(e, next_cmd(e));
+    if (cmd.kind == K_STOP) break;
+    run_record(e, &cmd);
+  }
+  stop_python(e);
   return NULL;
 }
 
-ar_engine *ar_engine_new(ar_sig *timeline, int64_t spin_ns) {
+/* ---- the shared workers (see "Shared workers" at the top) ------------------------------------------------ */
+
+static struct {
+  pthread_mutex_t lock;
+  pthread_cond_t cond; /* on CLOCK_MONOTONIC */
+  ar_engine *head, *tail; /* the ready list */
+  ar_engine *parked;      /* queues whose next record waits for a signal */
+  _Atomic int ready;      /* queues on the ready list */
+  int sleeping;           /* workers waiting on cond */
+  _Atomic int looking;    /* workers in take_ready (polling or asleep) */
+  int threads;            /* workers running */
+  int base;               /* the workers asked for; more are started while queues starve (see the watchdog) */
+  _Atomic uint64_t progress; /* records run by the workers, all told */
+  pthread_cond_t watch;      /* the watchdog waits on it (CLOCK_MONOTONIC) */
+  int watch_idle;            /* the watchdog waits with no timeout: signal `watch` when queues may starve */
+  _Atomic int64_t spin_now;
+} pool = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+#define STARVED_NS 2000000 /* queues ready while no worker ran a record for this long: one more worker */
+
+/* Put e at the back of the ready list (under pool.lock). */
+static void push_ready(ar_engine *e) {
+  e->next_ready = NULL;
+  if (pool.tail) pool.tail->next_ready = e;
+  else pool.head = e;
+  pool.tail = e;
+  atomic_store(&e->run_state, R_QUEUED);
+  atomic_fetch_add(&pool.ready, 1);
+  if (pool.sleeping) pthread_cond_signal(&pool.cond);
+  else if (!atomic_load(&pool.looking) && pool.watch_idle) pthread_cond_signal(&pool.watch); /* all busy */
+}
+
+/* Records were appended to shared e: put it on the ready list unless a worker has it, it is there, or it is
+ * parked (its next record is a wait: what meets the wait puts it back). Against a worker letting go of an empty
+ * queue: each writes its side (published, run_state) before reading the other's. */
+static void queue_ready(ar_engine *e) {
+  if (atomic_load(&e->run_state) != R_IDLE) return;
+  pthread_mutex_lock(&pool.lock);
+  if (atomic_load(&e->run_state) == R_IDLE) push_ready(e);
+  pthread_mutex_unlock(&pool.lock);
+}
+
+/* Every parked queue goes back on the ready list, to look at its wait again (a signal advanced, or a wait's
+ * timeout passed). */
+static void unpark_all(void) {
+  pthread_mutex_lock(&pool.lock);
+  while (pool.parked) {
+    ar_engine *e = pool.parked;
+    pool.parked = e->next_ready;
+    atomic_fetch_sub(&parked_queues, 1);
+    push_ready(e);
+  }
+  pthread_mutex_unlock(&pool.lock);
+}
+
+/* The next ready queue (now the caller's: R_RUNNING), once there is one: polling a while, then asleep until
+ * one is, or until the earliest timeout of a parked queue's wait (then every parked queue looks again). */
+static ar_engine *take_ready(void) {
+  int64_t start = 0;
+  atomic_fetch_add(&pool.looking, 1);
+  for (;;) {
+    if (atomic_load(&pool.ready)) {
+      pthread_mutex_lock(&pool.lock);
+      ar_engine *e = pool.head;
+      if (e) {
+        pool.head = e->next_ready;
+        if (!pool.head) pool.tail = NULL;
+        atomic_fetch_sub(&pool.ready, 1);
+        atomic_fetch_sub(&pool.looking, 1);
+        atomic_store(&e->run_state, R_RUNNING);
+        if (pool.head && !atomic_load(&pool.looking) && pool.watch_idle) pthread_cond_signal(&pool.watch); /* all busy */
+        pthread_mutex_unlock(&pool.lock);
+        if (e->idle_at && e->spin_ns) { /* it had run dry: poll as its own worker would (and the workers so) */
+          ar_cmd *next = head_cmd(e);
+          adapt_spin(&e->spin_now, e->spin_ns, e->idle_at, next && next->t ? next->t : now_ns());
+          atomic_store_explicit(&pool.spin_now, atomic_load(&e->spin_now), memory_order_relaxed);
+        }
+        e->idle_at = 0;
+        return e;
+      }
+      pthread_mutex_unlock(&pool.lock);
+    }
+    int64_t now = now_ns();
+    if (!start) start = now;
+    if (now < start + atomic_load_explicit(&pool.spin_now, memory_order_relaxed)) {
+      sched_yield();
+      continue;
+    }
+    pthread_mutex_lock(&pool.lock);
+    if (!pool.head && pool.threads > pool.base) { /* a worker started for starving queues: none starve now */
+      pool.threads--;
+      atomic_fetch_sub(&pool.looking, 1);
+      pthread_mutex_unlock(&pool.lock);
+      return NULL;
+    }
+    if (!pool.head) {
+      int64_t until = INT64_MAX;
+      for (ar_engine *p = pool.parked; p; p = p->next_ready)
+        if (p->park_until < until) until = p->park_until;
+      pool.sleeping++;
+      int timed_out = 0;
+      if (until == INT64_MAX) {
+        pthread_cond_wait(&pool.cond, &pool.lock);
+      } else {
+        struct timespec at = {.tv_sec = until / 1000000000, .tv_nsec = until % 1000000000};
+        timed_out = pthread_cond_timedwait(&pool.cond, &pool.lock, &at) == ETIMEDOUT;
+      }
+      pool.sleeping--;
+      if (timed_out) {
+        pthread_mutex_unlock(&pool.lock);
+        unpark_all();
+        continue;
+      }
+    }
+    pthread_mutex_unlock(&pool.lock);
+  }
+}
+
+enum { S_EMPTY, S_PARKED, S_YIELD, S_STOPPED };
+
+/* Run e's records (e is the caller's) until its queue is empty (S_EMPTY), its next record waits for a signal
+ * not reached (S_PARKED), another queue is ready at an op boundary or its high-priority sibling has work no
+ * worker has taken (S_YIELD), or it has stopped (S_STOPPED: e is no longer touched, it may be freed). */
+static int serve(ar_engine *e) {
+  int ran = 0;
+  for (;;) {
+    if (e->boundary) {
+      ar_engine *h = atomic_load_explicit(&e->high, memory_order_acquire);
+      if (h && has_runnable(h)) {
+        /* it is (or is about to be) ready, or another queue is: go to the back of the list */
+        if (atomic_load(&h->run_state) != R_RUNNING || atomic_load(&pool.ready)) return S_YIELD;
+        yield_to_high(e); /* a worker runs it and nothing else waits: wait as a worker of its own would */
+      }
+      if (ran && atomic_load(&pool.ready)) return S_YIELD;
+    }
+    ar_cmd *c = head_cmd(e);
+    if (!c) return S_EMPTY;
+    if (c->kind == K_WAIT && e->skipping != c->value) {
+      ar_sig *s = (ar_sig *)(uintptr_t)c->a;
+      if (atomic_load(&s->value) < c->b) {
+        int64_t now = now_ns(), limit = (int64_t)c->c;
+        if (!e->parked_at) {
+          e->parked_at = now;
+          e->park_until = limit < 0 || limit > INT64_MAX - now ? INT64_MAX : now + limit;
+        }
+        if (now < e->park_until) return S_PARKED;
+      }
+    }
+    ar_cmd cmd = take_cmd(e, c);
+    if (cmd.kind == K_STOP) {
+      stop_python(e);
+      pthread_mutex_lock(&e->lock);
+      e->finished = 1;
+      pthread_cond_broadcast(&e->cond);
+      pthread_mutex_unlock(&e->lock);
+      return S_STOPPED;
+    }
+    if (cmd.kind == K_WAIT) { /* its signal reached: no wait; else its timeout has passed: it fails now */
+      cmd.c = 0;
+      e->parked_at = 0;
+      atomic_store(&e->waiting, 0);
+    }
+    run_record(e, &cmd);
+    atomic_fetch_add_explicit(&pool.progress, 1, memory_order_relaxed);
+    ran = 1;
+  }
+}
+
+/* Let go of e after serve() said `how` (not S_STOPPED). */
+static void let_go(ar_engine *e, int how) {
+  pthread_mutex_lock(&pool.lock);
+  if (how == S_PARKED) {
+    atomic_store(&e->waiting, 1);
+    atomic_store(&e->run_state, R_PARKED);
+    e->next_ready = pool.parked;
+    pool.parked = e;
+    atomic_fetch_add(&parked_queues, 1);
+    pthread_mutex_unlock(&pool.lock);
+    /* a signal set before it was parked found nothing to unpark: look again now */
+    const ar_cmd *c = head_cmd(e);
+    if (atomic_load(&((ar_sig *)(uintptr_t)c->a)->value) >= c->b) unpark_all();
+    return;
+  }
+  if (how == S_YIELD) {
+    push_ready(e);
+  } else {
+    e->idle_at = now_ns();
+    atomic_store(&e->run_state, R_IDLE);
+    if (head_cmd(e)) push_ready(e);
+  }
+  pthread_mutex_unlock(&pool.lock);
+}
+
+static void *shared_worker(void *arg) {
+  (void)arg;
+  ar_engine *e;
+  while ((e = take_ready())) {
+    int how = serve(e);
+    if (how != S_STOPPED) let_go(e, how);
+  }
+  return NULL;
+}
+
+/* The watchdog: a command may keep its worker for long (a kernel that waits for what another queue is to
+ * write would otherwise wait for ever), so while queues are ready and every worker is busy with no record run
+ * for STARVED_NS, it starts one more worker (which ends once it finds nothing to do). Idle, it waits with no
+ * timeout until push_ready finds every worker busy. */
+static void *watchdog(void *arg) {
+  (void)arg;
+  pthread_mutex_lock(&pool.lock);
+  for (;;) {
+    if (!pool.head || atomic_load(&pool.looking)) {
+      pool.watch_idle = 1;
+      pthread_cond_wait(&pool.watch, &pool.lock);
+      pool.watch_idle = 0;
+      continue;
+    }
+    uint64_t seen = atomic_load(&pool.progress);
+    int64_t until = now_ns() + STARVED_NS;
+    struct timespec at = {.tv_sec = until / 1000000000, .tv_nsec = until % 1000000000};
+    pthread_cond_timedwait(&pool.watch, &pool.lock, &at);
+    if (pool.head && !atomic_load(&pool.looking) && atomic_load(&pool.progress) == seen && now_ns() >= until) {
+      pthread_t t;
+      if (pthread_create(&t, NULL, shared_worker, NULL) == 0) {
+        pthread_detach(t);
+        pool.threads++;
+      }
+    }
+  }
+  return NULL;
+}
+
+/* Start the shared workers (`threads` of them) unless they run already: 0, or -1 if none could start. */
+static int start_shared(int threads, int64_t spin_ns) {
+  pthread_mutex_lock(&pool.lock);
+  if (!pool.threads) {
+    pthread_condattr_t attr;
+    pthread_condattr_init(&attr);
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    pthread_cond_init(&pool.cond, &attr);
+    pthread_cond_init(&pool.watch, &attr);
+    pthread_condattr_destroy(&attr);
+    atomic_store(&pool.spin_now, spin_ns);
+    pthread_t t;
+    if (pthread_create(&t, NULL, watchdog, NULL) == 0) {
+      pthread_detach(t);
+      for (int i = 0; i < threads; i++) {
+        if (pthread_create(&t, NULL, shared_worker, NULL) != 0) break;
+        pthread_detach(t);
+        pool.threads++;
+      }
+      pool.base = pool.threads;
+    }
+  }
+  int ok = pool.threads > 0;
+  pthread_mutex_unlock(&pool.lock);
+  return ok ? 0 : -1;
+}
+
+/* A new engine whose op values go to `timeline`: run by a worker thread of its own (`workers` 0, polling up to
+ * spin_ns for work before it sleeps) or by the shared workers (`workers` > 0: as many are started with the first
+ * such engine, polling as long). NULL if it could not start. */
+ar_engine *ar_engine_new(ar_sig *timeline, int64_t spin_ns, int workers) {
+  if (workers > 0 && start_shared(workers, spin_ns)) return NULL;
   ar_engine *e = NULL;
   if (posix_memalign((void **)&e, 64, sizeof(ar_engine)) != 0) return NULL;
   memset(e, 0, sizeof(*e));
   e->timeline = timeline;
   e->spin_ns = spin_ns;
   atomic_store(&e->spin_now, spin_ns);
+  e->boundary = 1;
+  e->shared = workers > 0;
+  atomic_store(&e->run_state, R_IDLE);
   e->head = e->tail = calloc(1, sizeof(chunk));
   if (!e->head) {
     free(e);
@@ -680,6 +992,7 @@ ar_engine *ar_engine_new(ar_sig *timeline, int64_t spin_ns) {
   pthread_mutex_init(&e->log_lock, NULL);
   pthread_mutex_init(&e->py_lock, NULL);
   pthread_cond_init(&e->py_cond, NULL);
+  if (e->shared) return e; /* its thread id stays 0: no thread of its own */
   if (pthread_create(&e->thread, NULL, worker, e) != 0) {
     free(e->head);
     free(e);
@@ -724,7 +1037,9 @@ static int append(ar_engine *e, const ar_cmd *cmds, uint32_t n, uint64_t value) 
     if (value) slot->value = value;
   }
   atomic_fetch_add(&e->published, n);
-  if (atomic_load(&e->sleeping)) { /* once it holds the lock the worker waits on cond: signal it after letting go,
+  if (e->shared) {
+    queue_ready(e);
+  } else if (atomic_load(&e->sleeping)) { /* once it holds the lock the worker waits on cond: signal it after letting go,
                                     * so that it does not wake only to block on the lock we hold */
     pthread_mutex_lock(&e->lock);
     pthread_mutex_unlock(&e->lock);
@@ -1006,9 +1321,16 @@ void ar_py_stop(ar_engine *e) {
   pthread_mutex_unlock(&e->py_lock);
 }
 
-/* Wait for the worker to end (after a K_STOP was pushed); call once. */
+/* Wait for the worker to be done with e (after a K_STOP was pushed): its thread has ended, or the shared
+ * worker has run the K_STOP. */
 void ar_engine_join(ar_engine *e) {
-  if (e->started && !e->joined) {
+  if (e->joined) return;
+  if (e->shared) {
+    pthread_mutex_lock(&e->lock);
+    while (!e->finished) pthread_cond_wait(&e->cond, &e->lock);
+    pthread_mutex_unlock(&e->lock);
+    e->joined = 1;
+  } else if (e->started) {
     pthread_join(e->thread, NULL);
     e->joined = 1;
   }

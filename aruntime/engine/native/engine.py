@@ -23,7 +23,7 @@ import struct
 import threading
 from array import array
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from time import monotonic_ns
 from typing import Any
 
@@ -47,7 +47,7 @@ from aruntime.engine.ops import (
     run_copy,
     skip_error,
 )
-from aruntime.errors import OpError, SignalTimeout
+from aruntime.errors import DeviceError, OpError, SignalTimeout
 from aruntime.events import RangeEvent, RangeLog, recorder
 from aruntime.helpers import bytes_address
 
@@ -67,6 +67,11 @@ SPIN_NS = 20_000
 adapts: each time work comes back within this long of running out the next poll is this long again, each time it
 does not the poll halves (down to none), so a worker whose work comes in bursts polls and one fed now and then
 soon sleeps at once. A process allowed a single CPU never polls: the CPU is the submitter's."""
+
+
+def shared_workers() -> int:
+    """How many shared workers serve the queues that run on them: one per CPU this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def default_spin_ns() -> int:
@@ -199,7 +204,13 @@ class NativeEngine(Engine):
     reads_gates = True
 
     def __init__(
-        self, device: str, kind: str, timeout: float, chunk: int = 8 << 20, spin_ns: int | None = None
+        self,
+        device: str,
+        kind: str,
+        timeout: float,
+        chunk: int = 8 << 20,
+        spin_ns: int | None = None,
+        shared: bool = False,
     ) -> None:
         lib = native.lib()
         assert lib is not None
@@ -209,12 +220,16 @@ class NativeEngine(Engine):
         assert isinstance(self.signal, NativeSignal)
         self._lib = lib
         self.chunk = chunk
-        eng = lib.ar_engine_new(self.signal.ptr, default_spin_ns() if spin_ns is None else spin_ns)
+        spin = default_spin_ns() if spin_ns is None else spin_ns
+        eng = lib.ar_engine_new(self.signal.ptr, spin, shared_workers() if shared else 0)
         if not eng:
             raise MemoryError(f"{self.signal.name}: the native engine could not start")
         lib.ar_engine_metrics(eng, int(self.keeps_metrics))
         self.address: int = eng
         """The native engine's address (what other engines' dependency checks name)."""
+        self.shared = shared
+        """Whether the shared workers run its commands (:func:`shared_workers` threads serving every such queue
+        in the order they got work), rather than a worker thread of its own."""
         self.failures = _u64(eng + lib.ar_engine_field(1))
         self._last = _u64(eng + lib.ar_engine_field(3))
         self.thread_id = int(_u64(eng + lib.ar_engine_field(4))[0])
@@ -414,6 +429,15 @@ class NativeEngine(Engine):
             else:
                 pairs.extend((engine.address, dep.value))
         return pairs.tobytes() if pairs else None
+
+    def pin(self, cpus: Collection[int]) -> None:
+        """See :meth:`Engine.pin`; a queue the shared workers run has no thread of its own to pin."""
+        if self.shared:
+            raise DeviceError(
+                f"{self.signal.name} runs on the shared workers: it has no thread of its own to pin "
+                "(ARUNTIME_WORKERS=queue gives each queue a worker thread of its own)"
+            )
+        super().pin(cpus)
 
     def yield_to(self, high: Engine) -> None:
         """Let ``high`` go first (see :meth:`Engine.yield_to`): the worker checks it at each op boundary."""
