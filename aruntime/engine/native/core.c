@@ -829,8 +829,9 @@ static ar_engine *take_ready(void) {
 enum { S_EMPTY, S_PARKED, S_YIELD, S_STOPPED };
 
 /* Run e's records (e is the caller's) until its queue is empty (S_EMPTY), its next record waits for a signal
- * not reached (S_PARKED), another queue is ready at an op boundary or its high-priority sibling has work no
- * worker has taken (S_YIELD), or it has stopped (S_STOPPED: e is no longer touched, it may be freed). */
+ * not reached (S_PARKED), at an op boundary another queue is ready and no other worker is free to take it, or
+ * its high-priority sibling has work no worker has taken (S_YIELD), or it has stopped (S_STOPPED: e is no longer
+ * touched, it may be freed). */
 static int serve(ar_engine *e) {
   int ran = 0;
   for (;;) {
@@ -841,7 +842,7 @@ static int serve(ar_engine *e) {
         if (atomic_load(&h->run_state) != R_RUNNING || atomic_load(&pool.ready)) return S_YIELD;
         yield_to_high(e); /* a worker runs it and nothing else waits: wait as a worker of its own would */
       }
-      if (ran && atomic_load(&pool.ready)) return S_YIELD;
+      if (ran && atomic_load(&pool.ready) && !atomic_load(&pool.looking)) return S_YIELD; /* none free to take it */
     }
     ar_cmd *c = head_cmd(e);
     if (!c) return S_EMPTY;
