@@ -10,8 +10,11 @@ runs ``void kernel(float *out, const float *x, int64_t n, double scale)``. Buffe
 the definition; an int given for a floating-point parameter is converted, a float given for an integer one is
 refused, and an integer must fit its parameter's type. What the kernel does with its pointers is not checked.
 
-Where a CPU device's queues run is ``ARUNTIME_CPU_AFFINITY``: ``off`` (the default) leaves their threads
-wherever the system puts them; ``auto`` runs both queues of a device on one CPU, so that a kernel reads what
+A CPU device's queues run on the shared workers (one native thread per CPU the process may use, serving every
+CPU and NULL queue in the order they get work; ``ARUNTIME_WORKERS``, see :func:`aruntime.engine.workers_shared`)
+unless ``ARUNTIME_WORKERS=queue`` or ``ARUNTIME_CPU_AFFINITY`` gives each a thread of its own. Where those
+threads run is ``ARUNTIME_CPU_AFFINITY``: ``off`` (the default) leaves them wherever the system puts them;
+``auto`` runs both queues of a device on one CPU, so that a kernel reads what
 the copy before it wrote from that CPU's cache, spreading devices over the CPUs the process may use
 (``os.sched_getaffinity``): ``CPU:N`` on the N-th, wrapping around when there are more devices than CPUs; a
 comma-separated list of CPU numbers spreads them over those. :attr:`CPUDevice.cpu` reads or moves one
@@ -330,7 +333,8 @@ class CPUDevice(BaseDevice):
     @property
     def cpu(self) -> int | None:
         """The CPU this device's queues run on (None: wherever the system puts them). Setting it moves them;
-        a CPU the process may not use is a ``ValueError``. Default: see ``ARUNTIME_CPU_AFFINITY``."""
+        a CPU the process may not use is a ``ValueError``, and queues on the shared workers (no thread of their
+        own to move) a :class:`~aruntime.errors.DeviceError`. Default: see ``ARUNTIME_CPU_AFFINITY``."""
         return self._cpu
 
     @cpu.setter

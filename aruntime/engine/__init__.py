@@ -40,8 +40,9 @@ engine_name = native.engine_name
 def make_engine(device: str, kind: str, timeout: float, chunk: int, shared: bool = False) -> Engine:
     """A new engine for ``device``'s ``kind`` queue ("compute" or "copy"): native where the core is in use,
     run by the shared workers where ``shared`` and :func:`workers_shared` say so (see :class:`NativeEngine`)."""
+    shared = workers_shared() and shared  # a bad setting is refused whatever the engine
     if native.lib() is not None:
-        return NativeEngine(device, kind, timeout, chunk=chunk, shared=shared and workers_shared())
+        return NativeEngine(device, kind, timeout, chunk=chunk, shared=shared)
     return ThreadEngine(device, kind, timeout, chunk=chunk)
 
 

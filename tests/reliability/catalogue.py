@@ -220,6 +220,13 @@ ROWS: list[Row] = [
         _open_with("ARUNTIME_CPU_AFFINITY", "4096", "CPU"),
     ),
     Row(
+        "env ARUNTIME_WORKERS",
+        "`threads`",
+        ValueError,
+        "ARUNTIME_WORKERS='threads': expected 'shared' or 'queue'",
+        _open_with("ARUNTIME_WORKERS", "threads", "CPU"),
+    ),
+    Row(
         "dev.cpu =",
         "`-1`",
         ValueError,
