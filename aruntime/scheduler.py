@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from aruntime.device import Program, transfer
-from aruntime.engine import Engine, Op, first_failure
+from aruntime.engine import Op, first_failure
 from aruntime.engine.ops import DEADLINE, SHARED, SKIP, check_priority, new_gate
 from aruntime.errors import DeadlineExceeded, OpError, SchedulerFull, SignalTimeout
 from aruntime.helpers import after_all, checkpoint
@@ -297,21 +297,11 @@ class Scheduler:
                 self._retire()
                 ops = [op for ops, _ in self._waiting for op in ops]
                 ops.extend(self._inflight)
-            if not ops:
+            # the newest op not done first: by the time it is, most of the others are (one wake-up, not one each)
+            newest = next((op for op in reversed(ops) if not op.done()), None)
+            if newest is None:
                 return
-            last: dict[Engine, int] = {}  # an engine runs its ops in order: waiting for its latest covers the rest
-            held = []
-            for op in ops:
-                engine = op.engine
-                assert engine is not None
-                if not op.dispatched:
-                    held.append(op)
-                elif op.value > last.get(engine, 0):
-                    last[engine] = op.value
-            for op in held:
-                await op.settled()
-            for engine, value in last.items():
-                await engine.signal.wait_async(value)
+            await newest.settled()
 
     def _raise_failures(self) -> None:
         with self._lock:

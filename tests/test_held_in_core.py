@@ -117,3 +117,43 @@ async def test_cancelling_a_scope_with_held_ops_leaves_memory_at_its_baseline() 
 def _open(flag: Buffer) -> None:
     """Open a gate from the host (its flag is host memory of a CPU device), without any queue."""
     ctypes.c_int32.from_address(flag.handle).value = 1
+
+
+async def test_awaiting_the_end_of_a_held_chain_wakes_the_loop_a_few_times(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Leaving a scheduler with 400 ops held in the core waits for them with a few wake-ups of the loop (for the
+    newest op: the core tells the loop when it is handed on, then when it is done), not one per op."""
+    from aruntime.engine import NativeEngine
+    from aruntime.engine.native.notify import Notified
+
+    devs = Device["CPU:3"], Device["CPU:4"]
+    if not isinstance(devs[0].compute, NativeEngine):
+        pytest.skip("the Python engine hands held ops on from its own threads")
+    progs = [await dev.compile(INC, outs=(0,)) for dev in devs]
+    n = 1 << 18  # each op takes longer than a loop's wake-up: a loop woken per op would be woken hundreds of times
+    runs = 0  # what the loop's notifier ran: each a wake-up of the loop, or part of one
+    run = Notified._run
+
+    def counted(self: Notified, sig: object, item: object) -> None:
+        nonlocal runs
+        runs += 1
+        run(self, sig, item)  # type: ignore[arg-type]
+
+    async with devs[0].buffer(n, dtypes.int32) as a, devs[1].buffer(n, dtypes.int32) as b:
+        await devs[0].copyin(a, array.array("i", range(n)))
+        gate, flag = await closed_gate(devs[0])
+        started = await devs[0].allocate(1, dtypes.int32)
+        ops = []
+        monkeypatch.setattr(Notified, "_run", counted)
+        async with Scheduler() as sched:
+            sched.launch(gate, started, vals=(flag.handle, SPINS))  # holds devs[0]'s compute queue
+            for _ in range(100):
+                ops.append(sched.launch(progs[0], a, vals=(n,)))
+                ops.append(sched.transfer(b, a))
+                ops.append(sched.launch(progs[1], b, vals=(n,)))
+                ops.append(sched.transfer(a, b))
+            assert not ops[-1].dispatched  # held in the core behind the gate
+            ctypes.c_int32.from_address(flag.handle).value = 1
+        # leaving waited for all of them
+        assert all(op.done() for op in ops)
+        assert runs <= 8, runs
+        assert list(await devs[0].copyout(a)) == [i + 200 for i in range(n)]

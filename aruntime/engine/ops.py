@@ -241,14 +241,12 @@ class Op:
             callback()
 
     def _when(self, on_dispatch: bool, callback: Callable[[], None]) -> None:
-        signal = self._submitted().signal
+        engine = self._submitted()
+        signal = engine.signal
         if self.value == HELD and self.cell is not None and not self._resolve():
-            # the core hands it on before the last of its dependencies is seen done: follow them
-            front = self._frontier()
-            if front is not None:
-                front.when_done(lambda: self._when(on_dispatch, callback))
-                return
-            self._handed_on()
+            # pending in the native core: look again once the core hands it on (it tells this thread's loop)
+            engine.when_handed_on(self, lambda: self._when(on_dispatch, callback))
+            return
         if self.value == HELD:
             with _later_lock:
                 if self.value == HELD:
@@ -471,6 +469,12 @@ class Engine:
         """Hand ``op`` to the engine once its ``blockers`` allow, each ``(on_dispatch, dependency)``: once the
         dependency has been handed to this engine, or else once it is done; only engines that :attr:`pends`."""
         raise NotImplementedError(f"{self.signal.name} cannot take pending ops")
+
+    def when_handed_on(self, op: Op, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once ``op``, pending in this engine's core (see :meth:`pend`), is handed to its queue:
+        on the calling thread's loop, as :meth:`TimelineSignal.on_reach` runs callbacks. Only engines that
+        :attr:`pends` have such ops."""
+        raise NotImplementedError(f"{self.signal.name} pends no op")
 
     def yield_to(self, high: Engine) -> None:
         """From now on, before taking its next op, let ``high`` (the high-priority queue of this queue's kind on

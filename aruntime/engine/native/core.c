@@ -1092,6 +1092,7 @@ struct pend {
   uint64_t value; /* while it is being handed on */
   _Atomic int64_t count;
   waiter *waiters; /* under pend_lock */
+  uint64_t notify;  /* notifier slots to write once it is handed on (under pend_lock) */
   pend *next_free;  /* on the free list, or on a list of ops to hand on */
   pend *next_batch; /* on the list of ops handed on to one queue at once */
 };
@@ -1127,7 +1128,11 @@ static void dispatch(pend *p) {
       waiter *ws = cur->waiters;
       cur->waiters = NULL;
       cur->state = 0; /* a later ar_pend_on_pend reads the cell */
+      uint64_t notify = cur->notify;
+      cur->notify = 0;
       pthread_mutex_unlock(&pend_lock);
+      for (int n = 0; notify; n++, notify >>= 1) /* the loops that wait for it to be handed on read its cell */
+        if (notify & 1) ar_notify(n);
       while (ws) {
         waiter *w = ws;
         ws = w->next;
@@ -1249,6 +1254,7 @@ pend *ar_pend_new(ar_engine *e, const ar_cmd *cmds, uint32_t n, uint64_t *cell) 
   p->n = n;
   p->cell = cell;
   p->waiters = NULL;
+  p->notify = 0;
   atomic_store(&p->count, 1);
   pthread_mutex_lock(&pend_lock);
   p->state = 1;
@@ -1284,6 +1290,19 @@ void ar_pend_on_pend(pend *p, pend *dep, uint64_t *dep_cell, ar_engine *dep_engi
   }
   int last = (on_done && value != ABANDONED) ? on_sig(p, dep_engine->timeline, value) : met(p);
   if (last) dispatch(p);
+}
+
+/* Write notifier n once p (whose cell is `cell`) is handed on: 0; 1 if it has been already (nothing is kept). */
+int ar_pend_notify(pend *p, uint64_t *cell, int n) {
+  if (n < 0 || n >= MAXN) return 1;
+  int kept = 0;
+  pthread_mutex_lock(&pend_lock);
+  if (p->state == 1 && p->cell == cell) {
+    p->notify |= 1ull << n;
+    kept = 1;
+  }
+  pthread_mutex_unlock(&pend_lock);
+  return !kept;
 }
 
 /* Every condition of p has been added: it is handed on now if they are all met, else by whoever meets the last. */

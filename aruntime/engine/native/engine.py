@@ -31,7 +31,7 @@ from aruntime.engine import native
 from aruntime.engine.kernel import _NATIVE_COPIES, _NOTHING, Entry, KernelError
 from aruntime.engine.metrics import HIST
 from aruntime.engine.native import submit
-from aruntime.engine.native.signal import NativeSignal
+from aruntime.engine.native.signal import NativeSignal, current_notified
 from aruntime.engine.ops import (
     ABANDONED,
     COPY,
@@ -429,6 +429,12 @@ class NativeEngine(Engine):
             else:
                 pairs.extend((engine.address, dep.value))
         return pairs.tobytes() if pairs else None
+
+    def when_handed_on(self, op: Op, callback: Callable[[], None]) -> None:
+        """See :meth:`Engine.when_handed_on`: the core writes the calling thread's notifier when it hands ``op`` on
+        (one wake-up, whatever ``op`` waits for)."""
+        assert op.cell is not None
+        current_notified().add_handed_on(op.cell, op.at, op.pend, _cell_address(op), callback)
 
     def pin(self, cpus: Collection[int]) -> None:
         """See :meth:`Engine.pin`; a queue the shared workers run has no thread of its own to pin."""

@@ -25,7 +25,7 @@ import sys
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from aruntime.engine import native
@@ -71,6 +71,7 @@ class Notified:
         self._waits: dict[NativeSignal, list[tuple[int, int, Item]]] = {}
         self._armed: dict[NativeSignal, int] = {}
         self._gone: dict[NativeSignal, int] = {}  # waiters that gave up, per signal, since its heap was last swept
+        self._handed: list[tuple[Sequence[int], int, int, int, Callable[[], None]]] = []  # see add_handed_on
         self.callbacks = 0
         """How many callbacks (not waiters) are registered here and not run yet."""
         self.closed = False
@@ -97,6 +98,21 @@ class Notified:
                         self._lib.ar_notify(self.slot)  # reached meanwhile: the consumer finds it when it drains
         if moved and callable(item):
             callback_thread().add(sig, value, item)
+
+    def add_handed_on(
+        self, cells: Sequence[int], at: int, pend: int, address: int, callback: Callable[[], None]
+    ) -> None:
+        """Call ``callback`` on this consumer once the native core hands on the op pending in it as ``pend``
+        (its value then written to ``cells[at]``, the word at ``address``): the core writes this consumer's
+        descriptor then, so that what waits for the op costs one wake-up."""
+        with self._lock:
+            if not self.closed:
+                self._handed.append((cells, at, pend, address, callback))
+                self.callbacks += 1
+                if self._lib.ar_pend_notify(pend, address, self.slot):
+                    self._lib.ar_notify(self.slot)  # handed on meanwhile: the consumer finds it when it drains
+                return
+        callback_thread().add_handed_on(cells, at, pend, address, callback)
 
     def forget(self, sig: NativeSignal) -> None:
         """A waiter added for ``sig`` gave up (cancelled or timed out, its ``task`` cleared): once such waiters
@@ -125,9 +141,18 @@ class Notified:
             os.read(self.fd, 8)
         self._lib.ar_notifier_ack(self.slot)
         while True:
-            ready: list[Item] = []
+            ready: list[tuple[NativeSignal | None, Item]] = []
             again = False
             with self._lock:
+                if self._handed:
+                    waiting = []
+                    for entry in self._handed:
+                        if entry[0][entry[1]]:  # its value is written: handed on (or abandoned)
+                            self.callbacks -= 1
+                            ready.append((None, entry[4]))
+                        else:
+                            waiting.append(entry)
+                    self._handed = waiting
                 for sig, heap in list(self._waits.items()):
                     reached = sig.value
                     if self._armed.get(sig, reached + 1) <= reached:
@@ -149,12 +174,12 @@ class Notified:
                         if self._lib.ar_sig_arm(sig.ptr, self.slot, heap[0][0]):
                             again = True
             retired: set[int] = set()
-            for sig, item in ready:
-                retire = sig.retire
-                if retire is not None and id(sig) not in retired:
-                    retired.add(id(sig))
+            for reached_sig, item in ready:
+                retire = None if reached_sig is None else reached_sig.retire
+                if retire is not None and id(reached_sig) not in retired:
+                    retired.add(id(reached_sig))
                     retire()
-                self._run(sig, item)
+                self._run(reached_sig, item)
             if not again:
                 return
             self._lib.ar_notifier_ack(self.slot)
@@ -184,12 +209,15 @@ class Notified:
         for item in ready:
             self._run(sig, item)
 
-    def _run(self, sig: NativeSignal, item: Item) -> None:
+    def _run(self, sig: NativeSignal | None, item: Item) -> None:
         if callable(item):
             try:
                 item()
             except Exception:  # one failing callback must not skip the others
-                _log.exception("%s: a callback for value %d failed", sig.name, sig.value)
+                if sig is None:
+                    _log.exception("a callback for an op handed on by the native core failed")
+                else:
+                    _log.exception("%s: a callback for value %d failed", sig.name, sig.value)
         elif self._resume is not None:
             self._resume(item)
 
@@ -200,6 +228,7 @@ class Notified:
                 return
             self.closed = True
             waits, self._waits = self._waits, {}
+            handed, self._handed = self._handed, []
             self._armed = {}
             self._gone = {}
             self.callbacks = 0
@@ -212,6 +241,8 @@ class Notified:
                 if callable(item):
                     sig.callbacks -= 1
                     callback_thread().add(sig, value, item)
+        for entry in handed:  # the core may still write this slot's descriptor once: harmless
+            callback_thread().add_handed_on(*entry)
 
     def _close_fds(self) -> None:
         os.close(self.fd)
