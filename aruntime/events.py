@@ -6,6 +6,7 @@ import itertools
 import threading
 import time
 from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -112,7 +113,7 @@ class RangeLog:
 
 class Recorder:
     """Where events go while ``enabled``: engines record ranges in their :class:`RangeLog`, everything
-    else appends to :attr:`events` (list appends are thread-safe)."""
+    else goes through :meth:`add`."""
 
     def __init__(self) -> None:
         self.enabled = False
@@ -125,6 +126,12 @@ class Recorder:
         with self._lock:
             self._logs.append(log)
         return log
+
+    def add(self, events: Iterable[Event]) -> None:
+        """Record ``events`` (anything but an engine's ranges, which its log keeps until :attr:`events` is read)."""
+        added = list(events)
+        with self._lock:
+            self._events.extend(added)
 
     @property
     def events(self) -> list[Event]:

@@ -471,7 +471,7 @@ def _record_when_done(run: GraphRun, graph: Graph, plan: _Plan, times: list[list
         )
         starts = tuple(t[0] if len(t) == 2 else 0.0 for t in times)
         ends = tuple(t[1] if len(t) == 2 else 0.0 for t in times)
-        recorder.events.append(GraphEvent(entries, plan.deps, starts, ends))
+        recorder.add((GraphEvent(entries, plan.deps, starts, ends),))
 
     run.settled_hook = record
     one_done = after_all(len(run.ops), record)

@@ -126,7 +126,7 @@ def _pend(engine: Engine, body: list[Command], op: Op, conds: list[tuple[bool, O
 def _record_deps(op: Op, deps: Iterable[Op]) -> None:
     """Record, in the profile being recorded, that ``op`` waited for each of ``deps`` on another queue (the
     timeline draws each as a flow); the C submission path calls it too."""
-    recorder.events.extend(DependencyEvent(dep.id, op.id) for dep in deps)
+    recorder.add(DependencyEvent(dep.id, op.id) for dep in deps)
 
 
 def _pends_with(dep: Op) -> bool:

@@ -113,7 +113,7 @@ class host_range:
     ) -> None:
         start = self._starts.pop()
         if recorder.enabled:
-            recorder.events.append(HostRangeEvent(self.name or "host range", start, now_us()))
+            recorder.add((HostRangeEvent(self.name or "host range", start, now_us()),))
 
     def __call__(self, fn: F) -> F:
         """Decorate ``fn`` so each call is recorded as a host range."""
@@ -127,7 +127,7 @@ class host_range:
                     return await fn(*args, **kwargs)
                 finally:
                     if recorder.enabled:
-                        recorder.events.append(HostRangeEvent(name, start, now_us()))
+                        recorder.add((HostRangeEvent(name, start, now_us()),))
 
             return cast(F, async_wrapper)
 
@@ -138,7 +138,7 @@ class host_range:
                 return fn(*args, **kwargs)
             finally:
                 if recorder.enabled:
-                    recorder.events.append(HostRangeEvent(name, start, now_us()))
+                    recorder.add((HostRangeEvent(name, start, now_us()),))
 
         return cast(F, wrapper)
 

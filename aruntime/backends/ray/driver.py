@@ -424,7 +424,7 @@ class RemoteDevice(BaseDevice):
             return exc
         if ranges and recorder.enabled:
             device = call.target.name
-            recorder.events.extend(RangeEvent(device, name, s, e, copy, op.id) for name, s, e, copy in ranges)
+            recorder.add(RangeEvent(device, name, s, e, copy, op.id) for name, s, e, copy in ranges)
         if failure is not None:
             error = unpack_error(failure)
             if isinstance(error, DeviceError) and not isinstance(error, OpError):
