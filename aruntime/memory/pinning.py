@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import re
 from typing import Any, ClassVar
 
@@ -64,13 +65,18 @@ _POINTER_CODES = re.compile(r"[OP&zX]|Z(?![efdg])")
 _FIELD_NAMES = re.compile(r":[^:]*:")  # the names of a struct format's fields (T{<d:price:})
 
 
+@functools.lru_cache(maxsize=256)
+def _holds_pointers(fmt: str) -> bool:
+    return _POINTER_CODES.search(_FIELD_NAMES.sub("", fmt)) is not None
+
+
 def refuse_pointers(fmt: str, obj: object) -> None:
     """Raise :class:`BufferUsageError` naming ``fmt`` if the buffer format ``fmt`` (of ``obj``) holds pointers.
 
     Such memory (a numpy object array: format ``'O'``; ``'P'``; a struct format with such a field) holds
     addresses that mean nothing on a device, and writing device bytes into it corrupts the process.
     """
-    if _POINTER_CODES.search(_FIELD_NAMES.sub("", fmt)):
+    if _holds_pointers(fmt):
         raise BufferUsageError(
             f"{type(obj).__name__} with buffer format {fmt!r} holds pointers (Python objects or addresses), "
             "which cannot be copied to or from a device; convert it to plain numbers first"

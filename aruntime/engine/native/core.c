@@ -25,9 +25,10 @@
  * Shared workers. An engine made with `workers` > 0 has no thread of its own: a process-wide set of that many
  * worker threads (started with the first such engine) serves every such engine's queue, one worker at a time,
  * in the order the queues got work they can run (a ready list). A worker runs a queue's records until it is
- * empty, its next record waits for a signal not yet reached (the queue is parked, and any signal that advances
- * puts the parked queues back on the ready list, or a worker does once the wait's timeout has passed), or, at an
- * op boundary, another queue is ready (it goes to the back of the list). So a process with as many workers as
+ * empty, its next record waits for a signal not yet reached (the queue is parked: the signal reaching the value
+ * puts it back on the ready list, or a worker does once the wait's timeout has passed), or, at an op boundary,
+ * another queue is ready and no other worker is free to take it (it goes to the back of the list). A wait counts
+ * as run time of its op, as on a thread of its own. So a process with as many workers as
  * CPUs never has more of them runnable than CPUs, whatever the number of queues, and a device's copy and its
  * kernel may run one after the other on the same worker.
  *
@@ -103,7 +104,7 @@ typedef struct watch {
 static void watches_fire(ar_sig *s, uint64_t v);
 static void watches_drop(ar_sig *s);
 static _Atomic int parked_queues; /* queues of the shared workers parked on a wait (see "shared workers") */
-static void unpark_all(void);
+static void unpark(ar_sig *s, uint64_t v);
 
 static ar_sig *all_sigs;
 static pthread_mutex_t sigs_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -220,7 +221,7 @@ int ar_sig_set(ar_sig *s, uint64_t v) {
   do {
     if (v <= old) return -1;
   } while (!atomic_compare_exchange_weak(&s->value, &old, v));
-  if (atomic_load(&parked_queues)) unpark_all(); /* a parked queue's wait may be met now: it looks again */
+  if (atomic_load(&parked_queues)) unpark(s, v); /* the queues parked on a wait it meets go on */
   if (atomic_load(&s->blocked)) { /* as in append: signalled once the lock is free */
     pthread_mutex_lock(&s->lock);
     pthread_mutex_unlock(&s->lock);
@@ -420,6 +421,8 @@ typedef struct ar_engine {
   struct ar_engine *next_ready; /* on the ready list or the parked list */
   int64_t parked_at;            /* when its next record, a wait, first found its signal short (0: it has not) */
   int64_t park_until;           /* when that wait times out (INT64_MAX: never) */
+  ar_sig *park_sig;             /* what that wait waits for: park_sig reaching park_v */
+  uint64_t park_v;
   int64_t idle_at;              /* when a shared worker last let go of it with its queue empty (0: since taken) */
   int finished;                 /* its K_STOP has run (under lock; ar_engine_join waits on cond) */
 } ar_engine;
@@ -574,18 +577,22 @@ static int run_python(ar_engine *e, const ar_cmd *c) {
 
 typedef int (*entry_fn)(const uint64_t *args);
 
+/* The worker starts on the op of `cmd` (its first record) unless it has: the metrics of taking it. */
+static void op_taken(ar_engine *e, const ar_cmd *cmd) {
+  if (cmd->value == e->current) return;
+  e->current = cmd->value;
+  atomic_store_explicit(&e->taken, e->current, memory_order_relaxed);
+  if (e->metrics) {
+    e->taken_t = now_ns();
+    atomic_store_explicit(&e->taken_at, e->taken_t, memory_order_relaxed);
+    atomic_fetch_add_explicit(&e->queued_hist[bucket(e->taken_t - cmd->t)], 1, memory_order_relaxed);
+  }
+}
+
 /* Run `cmd`, the record just taken off e's queue (not a K_STOP), as e's worker: a wait blocks for its signal. */
 static void run_record(ar_engine *e, const ar_cmd *cmd) {
   e->boundary = (cmd->flags & F_END) != 0;
-  if (cmd->value != e->current) {
-    e->current = cmd->value;
-    atomic_store_explicit(&e->taken, e->current, memory_order_relaxed);
-    if (e->metrics) {
-      e->taken_t = now_ns();
-      atomic_store_explicit(&e->taken_at, e->taken_t, memory_order_relaxed);
-      atomic_fetch_add_explicit(&e->queued_hist[bucket(e->taken_t - cmd->t)], 1, memory_order_relaxed);
-    }
-  }
+  op_taken(e, cmd);
   if (cmd->d && cmd->kind >= K_COPY && cmd->kind <= K_PY && e->skipping != cmd->value) {
     /* the op's first copy, kernel or check, its waits passed: d is its gate (skip flag, deadline ns, shared) */
     const int64_t *gate = (const int64_t *)(uintptr_t)cmd->d;
@@ -750,13 +757,17 @@ static void queue_ready(ar_engine *e) {
   pthread_mutex_unlock(&pool.lock);
 }
 
-/* Every parked queue goes back on the ready list, to look at its wait again (a signal advanced, or a wait's
- * timeout passed). */
-static void unpark_all(void) {
+/* The queues parked on a wait for s that v meets go back on the ready list (s NULL: every parked queue, to look
+ * at its wait again once a timeout may have passed). */
+static void unpark(ar_sig *s, uint64_t v) {
   pthread_mutex_lock(&pool.lock);
-  while (pool.parked) {
-    ar_engine *e = pool.parked;
-    pool.parked = e->next_ready;
+  for (ar_engine **at = &pool.parked; *at;) {
+    ar_engine *e = *at;
+    if (s && (e->park_sig != s || e->park_v > v)) {
+      at = &e->next_ready;
+      continue;
+    }
+    *at = e->next_ready;
     atomic_fetch_sub(&parked_queues, 1);
     push_ready(e);
   }
@@ -797,7 +808,8 @@ static ar_engine *take_ready(void) {
       continue;
     }
     pthread_mutex_lock(&pool.lock);
-    if (!pool.head && pool.threads > pool.base) { /* a worker started for starving queues: none starve now */
+    if (!pool.head && pool.threads > pool.base && (pool.sleeping || !pool.parked)) {
+      /* a worker started for starving queues: none starve now (and another one watches parked waits' timeouts) */
       pool.threads--;
       atomic_fetch_sub(&pool.looking, 1);
       pthread_mutex_unlock(&pool.lock);
@@ -818,7 +830,7 @@ static ar_engine *take_ready(void) {
       pool.sleeping--;
       if (timed_out) {
         pthread_mutex_unlock(&pool.lock);
-        unpark_all();
+        unpark(NULL, 0);
         continue;
       }
     }
@@ -835,26 +847,32 @@ enum { S_EMPTY, S_PARKED, S_YIELD, S_STOPPED };
 static int serve(ar_engine *e) {
   int ran = 0;
   for (;;) {
+    ar_cmd *c = head_cmd(e);
+    if (!c) return S_EMPTY;
     if (e->boundary) {
       ar_engine *h = atomic_load_explicit(&e->high, memory_order_acquire);
-      if (h && has_runnable(h)) {
+      while (h && has_runnable(h)) { /* let it go first */
         /* it is (or is about to be) ready, or another queue is: go to the back of the list */
-        if (atomic_load(&h->run_state) != R_RUNNING || atomic_load(&pool.ready)) return S_YIELD;
-        yield_to_high(e); /* a worker runs it and nothing else waits: wait as a worker of its own would */
+        if (h->shared && (atomic_load(&h->run_state) != R_RUNNING || atomic_load(&pool.ready))) return S_YIELD;
+        /* a worker runs it and nothing else waits: wait a while, as a worker of its own does */
+        ar_sig_wait(h->timeline, atomic_load(&h->timeline->value) + 1, YIELD_NS);
       }
       if (ran && atomic_load(&pool.ready) && !atomic_load(&pool.looking)) return S_YIELD; /* none free to take it */
     }
-    ar_cmd *c = head_cmd(e);
-    if (!c) return S_EMPTY;
     if (c->kind == K_WAIT && e->skipping != c->value) {
       ar_sig *s = (ar_sig *)(uintptr_t)c->a;
       if (atomic_load(&s->value) < c->b) {
         int64_t now = now_ns(), limit = (int64_t)c->c;
         if (!e->parked_at) {
+          op_taken(e, c); /* its wait counts as run time, as on a worker of its own */
           e->parked_at = now;
           e->park_until = limit < 0 || limit > INT64_MAX - now ? INT64_MAX : now + limit;
         }
-        if (now < e->park_until) return S_PARKED;
+        if (now < e->park_until) {
+          e->park_sig = s;
+          e->park_v = c->b;
+          return S_PARKED;
+        }
       }
     }
     ar_cmd cmd = take_cmd(e, c);
@@ -882,21 +900,22 @@ static void let_go(ar_engine *e, int how) {
   pthread_mutex_lock(&pool.lock);
   if (how == S_PARKED) {
     atomic_store(&e->waiting, 1);
-    atomic_store(&e->run_state, R_PARKED);
-    e->next_ready = pool.parked;
-    pool.parked = e;
     atomic_fetch_add(&parked_queues, 1);
-    pthread_mutex_unlock(&pool.lock);
-    /* a signal set before it was parked found nothing to unpark: look again now */
-    const ar_cmd *c = head_cmd(e);
-    if (atomic_load(&((ar_sig *)(uintptr_t)c->a)->value) >= c->b) unpark_all();
-    return;
-  }
-  if (how == S_YIELD) {
+    if (atomic_load(&e->park_sig->value) >= e->park_v) { /* met before it was parked (that set found nothing) */
+      atomic_fetch_sub(&parked_queues, 1);
+      push_ready(e);
+    } else {
+      atomic_store(&e->run_state, R_PARKED);
+      e->next_ready = pool.parked;
+      pool.parked = e;
+      if (e->park_until != INT64_MAX && pool.sleeping) pthread_cond_broadcast(&pool.cond); /* its timeout: look */
+    }
+  } else if (how == S_YIELD) {
     push_ready(e);
   } else {
     e->idle_at = now_ns();
     atomic_store(&e->run_state, R_IDLE);
+    atomic_thread_fence(memory_order_seq_cst); /* against append: its published store, then its run_state load */
     if (head_cmd(e)) push_ready(e);
   }
   pthread_mutex_unlock(&pool.lock);
@@ -943,8 +962,10 @@ static void *watchdog(void *arg) {
 
 /* Start the shared workers (`threads` of them) unless they run already: 0, or -1 if none could start. */
 static int start_shared(int threads, int64_t spin_ns) {
+  static int started;
   pthread_mutex_lock(&pool.lock);
-  if (!pool.threads) {
+  if (!started) {
+    started = 1;
     pthread_condattr_t attr;
     pthread_condattr_init(&attr);
     pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
@@ -1117,6 +1138,7 @@ static void dispatch(pend *p) {
     pend *first = todo;
     todo = first->next_free;
     ar_engine *e = first->e;
+    uint64_t notify = 0;
     pthread_mutex_lock(&e->submit_lock);
     uint64_t next = atomic_load(&e->last);
     pend *tail = first;
@@ -1128,11 +1150,9 @@ static void dispatch(pend *p) {
       waiter *ws = cur->waiters;
       cur->waiters = NULL;
       cur->state = 0; /* a later ar_pend_on_pend reads the cell */
-      uint64_t notify = cur->notify;
+      notify |= cur->notify; /* the loops that wait for it to be handed on: told once it is appended */
       cur->notify = 0;
       pthread_mutex_unlock(&pend_lock);
-      for (int n = 0; notify; n++, notify >>= 1) /* the loops that wait for it to be handed on read its cell */
-        if (notify & 1) ar_notify(n);
       while (ws) {
         waiter *w = ws;
         ws = w->next;
@@ -1160,6 +1180,8 @@ static void dispatch(pend *p) {
       }
     }
     pthread_mutex_unlock(&e->submit_lock);
+    for (int n = 0; notify; n++, notify >>= 1)
+      if (notify & 1) ar_notify(n);
     pthread_mutex_lock(&pend_lock);
     for (pend *cur = first, *after; cur; cur = after) {
       after = cur->next_batch;
