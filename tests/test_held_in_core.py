@@ -157,3 +157,36 @@ async def test_awaiting_the_end_of_a_held_chain_wakes_the_loop_a_few_times(monke
         assert all(op.done() for op in ops)
         assert runs <= 8, runs
         assert list(await devs[0].copyout(a)) == [i + 200 for i in range(n)]
+
+
+async def test_many_tasks_each_awaiting_an_op_held_in_the_core() -> None:
+    """500 tasks each await their own copy-out, held in the core behind a kernel that waits for a gate: once the
+    gate opens every one gets its own data (the loop is told which ops were handed on, whatever their order)."""
+    dev = Device["CPU:3"]
+    n, tasks = 16, 500
+    inc = await dev.compile(INC, outs=(0,))
+    gate, flag = await closed_gate(dev)
+    started = await dev.allocate(1, dtypes.int32)
+    bufs = [await dev.allocate(n, dtypes.int32) for _ in range(tasks)]
+    for i, buf in enumerate(bufs):
+        await dev.copyin(buf, array.array("i", [i] * n))
+    got: dict[int, list[int]] = {}
+    async with Scheduler() as sched:
+        sched.launch(gate, started, vals=(flag.handle, SPINS))
+        outs = []
+        for buf in bufs:
+            sched.launch(inc, buf, vals=(n,))  # on the gated compute queue
+            outs.append(sched.copyout(buf))  # held: it waits for the kernel on another queue
+
+        async def one(i: int) -> None:
+            got[i] = list(await outs[i])
+
+        async with anyio.create_task_group() as tg:
+            for i in range(tasks):
+                tg.start_soon(one, i)
+            await anyio.wait_all_tasks_blocked()
+            assert not got
+            ctypes.c_int32.from_address(flag.handle).value = 1
+    assert got == {i: [i + 1] * n for i in range(tasks)}
+    for buf in (*bufs, started, flag):
+        await dev.free(buf)

@@ -104,6 +104,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("ar_pend_on_pend", None, [p, p, p, p, c_int]),
         ("ar_pend_go", None, [p]),
         ("ar_pend_notify", c_int, [p, p, c_int]),
+        ("ar_notifier_handed", c_size_t, [c_int, p, c_size_t]),
         ("ar_take_failures", c_size_t, [p, p, c_size_t]),
         ("ar_take_ranges", c_size_t, [p, p, c_size_t]),
         ("ar_py_next", c_int, [p, ctypes.POINTER(u64), ctypes.POINTER(u32)]),

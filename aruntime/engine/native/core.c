@@ -75,6 +75,9 @@ typedef struct {
   int fd;         /* written to wake the loop */
   int is_eventfd; /* eventfd: 8 bytes; else a pipe: 1 byte */
   _Atomic int pending;
+  uint64_t *handed; /* the cells of pending ops handed on that the consumer asked about (ar_pend_notify) */
+  size_t nhanded, caphanded;
+  int handed_lost;  /* a note could not be kept (no memory): the consumer looks at every op it asked about */
 } notifier;
 
 static notifier notifiers[MAXN];
@@ -125,6 +128,44 @@ void ar_notify(int n) {
   pthread_mutex_unlock(&notifiers_lock);
 }
 
+/* Note, for notifier n's consumer, that the pending op whose cell is `cell` was handed on (it reads the notes
+ * with ar_notifier_handed). Without memory for the note, a 0 note tells it to look at every op it asked about. */
+static void note_handed(int n, uint64_t *cell) {
+  pthread_mutex_lock(&notifiers_lock);
+  notifier *nt = &notifiers[n];
+  if (nt->used) {
+    if (nt->nhanded == nt->caphanded) {
+      size_t cap = nt->caphanded ? 2 * nt->caphanded : 64;
+      uint64_t *grown = realloc(nt->handed, cap * sizeof(uint64_t));
+      if (grown) {
+        nt->handed = grown;
+        nt->caphanded = cap;
+      }
+    }
+    if (nt->nhanded < nt->caphanded) nt->handed[nt->nhanded++] = (uint64_t)(uintptr_t)cell;
+    else nt->handed_lost = 1;
+  }
+  pthread_mutex_unlock(&notifiers_lock);
+}
+
+/* Move up to max notes of notifier n (cell addresses; 0: look at every op asked about) into out: how many. */
+size_t ar_notifier_handed(int n, uint64_t *out, size_t max) {
+  if (n < 0 || n >= MAXN) return 0;
+  pthread_mutex_lock(&notifiers_lock);
+  notifier *nt = &notifiers[n];
+  size_t k = 0;
+  if (nt->handed_lost && max) {
+    out[k++] = 0;
+    nt->handed_lost = 0;
+  }
+  size_t from = nt->nhanded < max - k ? nt->nhanded : max - k;
+  if (from) memcpy(out + k, nt->handed, from * sizeof(uint64_t));
+  memmove(nt->handed, nt->handed + from, (nt->nhanded - from) * sizeof(uint64_t));
+  nt->nhanded -= from;
+  pthread_mutex_unlock(&notifiers_lock);
+  return k + from;
+}
+
 int ar_notifier_new(int fd, int is_eventfd) {
   pthread_mutex_lock(&notifiers_lock);
   int found = -1;
@@ -162,6 +203,8 @@ void ar_notifier_free(int n) {
   pthread_mutex_unlock(&sigs_lock);
   pthread_mutex_lock(&notifiers_lock);
   notifiers[n].used = 0;
+  notifiers[n].nhanded = 0;
+  notifiers[n].handed_lost = 0;
   pthread_mutex_unlock(&notifiers_lock);
 }
 
@@ -1150,9 +1193,12 @@ static void dispatch(pend *p) {
       waiter *ws = cur->waiters;
       cur->waiters = NULL;
       cur->state = 0; /* a later ar_pend_on_pend reads the cell */
-      notify |= cur->notify; /* the loops that wait for it to be handed on: told once it is appended */
+      uint64_t asked = cur->notify; /* the loops waiting for it to be handed on: noted now, told once appended */
       cur->notify = 0;
       pthread_mutex_unlock(&pend_lock);
+      notify |= asked;
+      for (int n = 0; asked; n++, asked >>= 1)
+        if (asked & 1) note_handed(n, cur->cell);
       while (ws) {
         waiter *w = ws;
         ws = w->next;

@@ -24,6 +24,7 @@ import os
 import sys
 import threading
 import weakref
+from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -71,7 +72,10 @@ class Notified:
         self._waits: dict[NativeSignal, list[tuple[int, int, Item]]] = {}
         self._armed: dict[NativeSignal, int] = {}
         self._gone: dict[NativeSignal, int] = {}  # waiters that gave up, per signal, since its heap was last swept
-        self._handed: list[tuple[Sequence[int], int, int, int, Callable[[], None]]] = []  # see add_handed_on
+        # ops pending in the core that something here waits for, by their cell's address (see add_handed_on)
+        self._handed: dict[int, list[tuple[Sequence[int], int, int, Callable[[], None]]]] = {}
+        self._handed_now: list[int] = []  # of those, the addresses of ops handed on before they were asked about
+        self._notes = array("Q", bytes(8 * 256))  # where the core's notes of ops handed on are read into
         self.callbacks = 0
         """How many callbacks (not waiters) are registered here and not run yet."""
         self.closed = False
@@ -107,12 +111,30 @@ class Notified:
         descriptor then, so that what waits for the op costs one wake-up."""
         with self._lock:
             if not self.closed:
-                self._handed.append((cells, at, pend, address, callback))
+                self._handed.setdefault(address, []).append((cells, at, pend, callback))
                 self.callbacks += 1
-                if self._lib.ar_pend_notify(pend, address, self.slot):
-                    self._lib.ar_notify(self.slot)  # handed on meanwhile: the consumer finds it when it drains
+                if self._lib.ar_pend_notify(pend, address, self.slot):  # handed on meanwhile: found when it drains
+                    self._handed_now.append(address)
+                    self._lib.ar_notify(self.slot)
                 return
         callback_thread().add_handed_on(cells, at, pend, address, callback)
+
+    def _take_handed(self, ready: list[tuple[NativeSignal | None, Item]]) -> None:
+        """Move the callbacks of the ops the core noted as handed on into ``ready`` (under the lock)."""
+        notes = self._notes
+        addresses = self._handed_now
+        self._handed_now = []
+        while taken := self._lib.ar_notifier_handed(self.slot, notes.buffer_info()[0], len(notes)):
+            addresses.extend(notes[:taken])
+        if 0 in addresses:  # a note was lost (no memory in the core): look at every op asked about
+            addresses = [a for a, entries in self._handed.items() if entries[0][0][entries[0][1]]]
+        for address in addresses:
+            entries = self._handed.pop(address, None)
+            if entries is None:
+                continue
+            for _, _, _, callback in entries:
+                self.callbacks -= 1
+                ready.append((None, callback))
 
     def forget(self, sig: NativeSignal) -> None:
         """A waiter added for ``sig`` gave up (cancelled or timed out, its ``task`` cleared): once such waiters
@@ -145,14 +167,7 @@ class Notified:
             again = False
             with self._lock:
                 if self._handed:
-                    waiting = []
-                    for entry in self._handed:
-                        if entry[0][entry[1]]:  # its value is written: handed on (or abandoned)
-                            self.callbacks -= 1
-                            ready.append((None, entry[4]))
-                        else:
-                            waiting.append(entry)
-                    self._handed = waiting
+                    self._take_handed(ready)
                 for sig, heap in list(self._waits.items()):
                     reached = sig.value
                     if self._armed.get(sig, reached + 1) <= reached:
@@ -228,7 +243,7 @@ class Notified:
                 return
             self.closed = True
             waits, self._waits = self._waits, {}
-            handed, self._handed = self._handed, []
+            handed, self._handed = self._handed, {}
             self._armed = {}
             self._gone = {}
             self.callbacks = 0
@@ -241,8 +256,9 @@ class Notified:
                 if callable(item):
                     sig.callbacks -= 1
                     callback_thread().add(sig, value, item)
-        for entry in handed:  # the core may still write this slot's descriptor once: harmless
-            callback_thread().add_handed_on(*entry)
+        for address, entries in handed.items():  # the core may still write this slot's descriptor once: harmless
+            for cells, at, pend, callback in entries:
+                callback_thread().add_handed_on(cells, at, pend, address, callback)
 
     def _close_fds(self) -> None:
         os.close(self.fd)
