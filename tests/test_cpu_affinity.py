@@ -164,6 +164,9 @@ async def test_devices_work_when_the_process_may_use_one_cpu(monkeypatch: pytest
 def test_the_shared_workers_serve_two_devices_when_the_process_may_use_one_cpu() -> None:
     """One CPU allowed: one shared worker (it never polls) runs a two-device pipeline whose queues wait for each
     other, eagerly (waits in the queues) and through a Scheduler (held in the core)."""
+    dev = Device["CPU:1"]
+    assert isinstance(dev, CPUDevice)
+    _native(dev)  # the subprocess runs on the same engine
     code = textwrap.dedent(
         f"""
         import array, os
