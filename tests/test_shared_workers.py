@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import array
 import ctypes
+import subprocess
+import sys
+import textwrap
 
 import anyio
 import pytest
@@ -91,3 +94,30 @@ async def test_a_parked_wait_times_out() -> None:
         ctypes.c_int32.from_address(flag.handle).value = 1
     with anyio.fail_after(20):
         await held
+
+
+def test_a_forked_child_opens_devices_on_workers_of_its_own() -> None:
+    """A child forked after the parent's shared workers started has none of them: its own devices start theirs."""
+    code = textwrap.dedent(
+        """
+        import array, os
+        import anyio
+        from aruntime import Device, dtypes
+
+        async def use(name):
+            dev = Device[name]
+            x = await dev.allocate(16, dtypes.int32)
+            with anyio.fail_after(20):
+                await dev.copyin(x, array.array("i", range(16)))
+                return list(await dev.copyout(x))
+
+        assert anyio.run(use, "CPU") == list(range(16))
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if anyio.run(use, "CPU:9") == list(range(16)) else 1)
+        print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["0"]

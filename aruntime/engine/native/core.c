@@ -1003,12 +1003,29 @@ static void *watchdog(void *arg) {
   return NULL;
 }
 
+static int shared_started; /* start_shared has run (in this process) */
+static void shared_after_fork(void);
+static void register_after_fork(void) { pthread_atfork(NULL, NULL, shared_after_fork); }
+
+/* In a child forked from a process with shared workers: it has none of them (nor their queues), so the next
+ * shared engine starts its own. */
+static void shared_after_fork(void) {
+  pthread_mutex_init(&pool.lock, NULL);
+  pool.head = pool.tail = pool.parked = NULL;
+  atomic_store(&pool.ready, 0);
+  atomic_store(&pool.looking, 0);
+  atomic_store(&parked_queues, 0);
+  pool.sleeping = pool.threads = pool.base = pool.watch_idle = 0;
+  shared_started = 0;
+}
+
 /* Start the shared workers (`threads` of them) unless they run already: 0, or -1 if none could start. */
 static int start_shared(int threads, int64_t spin_ns) {
-  static int started;
+  static pthread_once_t at_fork = PTHREAD_ONCE_INIT;
+  pthread_once(&at_fork, register_after_fork);
   pthread_mutex_lock(&pool.lock);
-  if (!started) {
-    started = 1;
+  if (!shared_started) {
+    shared_started = 1;
     pthread_condattr_t attr;
     pthread_condattr_init(&attr);
     pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
