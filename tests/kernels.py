@@ -1,13 +1,15 @@
-"""Kernels shared by the tests: C sources, a gate kernel a test opens by hand, and a program that fails."""
+"""Kernels shared by the tests: C sources, a gate kernel a test opens by hand, a program that fails, and a two-device
+ping-pong."""
 
 from __future__ import annotations
 
 import array
 import ctypes
+from collections.abc import Sequence
 
 import anyio
 
-from aruntime import BaseDevice, Buffer, Program, dtypes
+from aruntime import BaseDevice, Buffer, Program, Scheduler, dtypes, transfer
 
 SPINS = 4_000_000_000
 """A gate's spin bound: far more than any test waits (a gate never opened would hang the test's fail_after)."""
@@ -97,3 +99,31 @@ void kernel(uint8_t *out, int64_t ms) {
 }
 """
 """A kernel that busy-waits ``ms`` milliseconds (``vals=(ms,)``), then sets ``out[0] = 1``."""
+
+
+INC = r"""
+#include <stdint.h>
+void kernel(int32_t *b, int64_t n) { for (int64_t i = 0; i < n; i++) b[i] += 1; }
+"""
+
+
+async def ping_pong(devs: Sequence[BaseDevice], n: int, eager: int, scheduled: int) -> list[int]:
+    """Add 1 to ``n`` int32 values (0 to n-1) on each of two devices in turn, moving them across each time:
+    ``eager`` rounds straight on the devices (each step waits in its queue for the one before, on another queue),
+    then ``scheduled`` rounds through a Scheduler (each held in the core); the values at the end."""
+    progs = [await dev.compile(INC, outs=(0,)) for dev in devs]
+    async with devs[0].buffer(n, dtypes.int32) as a, devs[1].buffer(n, dtypes.int32) as b:
+        devs[0].copyin(a, array.array("i", range(n)))
+        for _ in range(eager):
+            devs[0].launch(progs[0], a, vals=(n,))
+            transfer(b, a)
+            devs[1].launch(progs[1], b, vals=(n,))
+            transfer(a, b)
+        async with Scheduler() as sched:
+            for _ in range(scheduled):
+                sched.launch(progs[0], a, vals=(n,))
+                sched.transfer(b, a)
+                sched.launch(progs[1], b, vals=(n,))
+                sched.transfer(a, b)
+            result = sched.copyout(a)
+        return list(await result)

@@ -3,7 +3,6 @@ their own that may be pinned to one CPU (``ARUNTIME_CPU_AFFINITY``, ``CPUDevice.
 
 from __future__ import annotations
 
-import array
 import os
 import subprocess
 import sys
@@ -11,16 +10,12 @@ import textwrap
 
 import pytest
 
-from aruntime import Device, DeviceError, Scheduler, dtypes
+from aruntime import Device, DeviceError
 from aruntime.backends.cpu import CPUDevice, default_cpu
 from aruntime.engine import NativeEngine, workers_shared
+from tests.kernels import ping_pong
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="thread affinity is Linux-only")
-
-INC = r"""
-#include <stdint.h>
-void kernel(int32_t *b, int64_t n) { for (int64_t i = 0; i < n; i++) b[i] += 1; }
-"""
 
 
 def affinity(dev: CPUDevice) -> tuple[set[int], set[int]]:
@@ -144,18 +139,7 @@ async def test_devices_work_when_the_process_may_use_one_cpu(monkeypatch: pytest
             assert isinstance(dev, CPUDevice)
             assert dev.cpu == only
             assert affinity(dev) == ({only}, {only})
-        n = 1024
-        progs = [await dev.compile(INC, outs=(0,)) for dev in devs]
-        async with devs[0].buffer(n, dtypes.int32) as a, devs[1].buffer(n, dtypes.int32) as b:
-            async with Scheduler() as sched:
-                sched.copyin(a, array.array("i", range(n)))
-                for _ in range(50):
-                    sched.launch(progs[0], a, vals=(n,))
-                    sched.transfer(b, a)
-                    sched.launch(progs[1], b, vals=(n,))
-                    sched.transfer(a, b)
-                result = sched.copyout(a)
-            assert list(await result) == [i + 100 for i in range(n)]
+        assert await ping_pong(devs, 1024, 0, 50) == [i + 100 for i in range(1024)]
     finally:
         for dev in devs:
             await dev.aclose()
@@ -168,32 +152,16 @@ def test_the_shared_workers_serve_two_devices_when_the_process_may_use_one_cpu()
     assert isinstance(dev, CPUDevice)
     _native(dev)  # the subprocess runs on the same engine
     code = textwrap.dedent(
-        f"""
-        import array, os
-        os.sched_setaffinity(0, {{max(os.sched_getaffinity(0))}})
+        """
+        import os
+        os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
         import anyio
-        from aruntime import Device, Scheduler, dtypes, transfer
-        INC = {INC!r}
+        from aruntime import Device
+        from tests.kernels import ping_pong
         async def main():
             devs = [Device["CPU"], Device["CPU:1"]]
             assert all(engine.shared for dev in devs for engine in dev.engines)
-            n = 1024
-            progs = [await dev.compile(INC, outs=(0,)) for dev in devs]
-            a, b = await devs[0].allocate(n, dtypes.int32), await devs[1].allocate(n, dtypes.int32)
-            devs[0].copyin(a, array.array("i", range(n)))
-            for _ in range(20):  # eager: each step waits in its queue for the one before, on another queue
-                devs[0].launch(progs[0], a, vals=(n,))
-                transfer(b, a)
-                devs[1].launch(progs[1], b, vals=(n,))
-                transfer(a, b)
-            async with Scheduler() as sched:  # held in the core instead
-                for _ in range(50):
-                    sched.launch(progs[0], a, vals=(n,))
-                    sched.transfer(b, a)
-                    sched.launch(progs[1], b, vals=(n,))
-                    sched.transfer(a, b)
-                result = sched.copyout(a)
-            print(list(await result) == [i + 140 for i in range(n)], devs[0].compute.spin_ns)
+            print(await ping_pong(devs, 1024, 20, 50) == [i + 140 for i in range(1024)], devs[0].compute.spin_ns)
         anyio.run(main)
         """
     )

@@ -16,14 +16,10 @@ import pytest
 
 from aruntime import Buffer, DependencyError, Device, DeviceError, OpError, Scheduler, dtypes
 from aruntime.engine import KernelError
-from tests.kernels import SPINS, closed_gate
+from tests.kernels import INC, SPINS, closed_gate
 
 pytestmark = pytest.mark.anyio
 
-INC = r"""
-#include <stdint.h>
-void kernel(int32_t *b, int64_t n) { for (int64_t i = 0; i < n; i++) b[i] += 1; }
-"""
 FAIL = r"""
 #include <stdint.h>
 int kernel(int32_t *b, int64_t n) { for (int64_t i = 0; i < n; i++) b[i] = -1; return 7; }
