@@ -10,8 +10,8 @@
  *
  * Engines. An engine owns an unbounded single-producer queue of fixed-size command records (a linked list of
  * chunks) and a worker: a thread of its own, or one of the shared workers (see below). The worker runs
- * wait / signal / timestamp / copy / exec / check / python commands in order; the last command of an op carries END and sets the engine's timeline signal to
- * the op's value. A failing command is logged (op value, command index, kind, code) before that value is
+ * wait / signal / timestamp / copy / exec / check / python commands in order; the last command of an op carries
+ * END and sets the engine's timeline signal to the op's value. A failing command is logged (op value, command index, kind, code) before that value is
  * set, and the op's remaining commands are skipped except its signals. "python" commands are handed to a
  * Python thread of the engine's own (ar_py_next / ar_py_done) while the worker waits: the worker never
  * runs Python and never needs the GIL.
@@ -107,6 +107,8 @@ typedef struct watch {
 static void watches_fire(ar_sig *s, uint64_t v);
 static void watches_drop(ar_sig *s);
 static _Atomic int parked_queues; /* queues of the shared workers parked on a wait (see "shared workers") */
+typedef struct ar_engine ar_engine;
+void ar_py_stop(ar_engine *e);
 static void unpark(ar_sig *s, uint64_t v);
 
 static ar_sig *all_sigs;
@@ -472,6 +474,26 @@ typedef struct ar_engine {
 
 enum { R_IDLE, R_QUEUED, R_RUNNING, R_PARKED };
 
+/* The shared workers (see "Shared workers" at the top and the functions below). */
+static struct {
+  pthread_mutex_t lock;
+  pthread_cond_t cond; /* on CLOCK_MONOTONIC */
+  ar_engine *head, *tail; /* the ready list */
+  ar_engine *parked;      /* queues whose next record waits for a signal */
+  _Atomic int ready;      /* queues on the ready list */
+  int sleeping;           /* workers waiting on cond */
+  _Atomic int looking;    /* workers in take_ready (polling or asleep) */
+  int threads;            /* workers running */
+  int base;               /* the workers asked for; more are started while queues starve (see the watchdog) */
+  _Atomic uint64_t progress; /* records run by the workers, all told */
+  pthread_cond_t watch;      /* the watchdog waits on it (CLOCK_MONOTONIC) */
+  int watch_idle;            /* the watchdog waits with no timeout: signal `watch` when queues may starve */
+  _Atomic int64_t spin_now;
+} pool = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+#define STARVED_NS 2000000 /* queues ready while no worker ran a record for this long: one more worker */
+
+
 static void log_failure(ar_engine *e, const ar_cmd *c, uint32_t kind, int64_t code) {
   pthread_mutex_lock(&e->log_lock);
   if (e->nfails == e->capfails) {
@@ -547,11 +569,16 @@ static int has_runnable(ar_engine *h) {
   return atomic_load(&h->published) != atomic_load(&h->consumed) && !atomic_load(&h->waiting);
 }
 
-/* At an op boundary: let the high-priority sibling (if any) run what it can first. */
-static void yield_to_high(ar_engine *e) {
+/* At an op boundary: let the high-priority sibling (if any) run what it can first, waiting for it a while at a
+ * time. A shared worker gives e up instead (1) where the sibling waits for a worker to take it, or another queue
+ * does: it goes to the back of the ready list. */
+static int yield_to_high(ar_engine *e) {
   ar_engine *h = atomic_load_explicit(&e->high, memory_order_acquire);
-  if (!h) return;
-  while (has_runnable(h)) ar_sig_wait(h->timeline, atomic_load(&h->timeline->value) + 1, YIELD_NS);
+  while (h && has_runnable(h)) {
+    if (e->shared && h->shared && (atomic_load(&h->run_state) != R_RUNNING || atomic_load(&pool.ready))) return 1;
+    ar_sig_wait(h->timeline, atomic_load(&h->timeline->value) + 1, YIELD_NS);
+  }
+  return 0;
 }
 
 /* The record at the head of e's queue, published and not yet taken; NULL if there is none. Its worker only. */
@@ -737,14 +764,6 @@ static void run_record(ar_engine *e, const ar_cmd *cmd) {
   }
 }
 
-/* Let the Python thread of e know that e has stopped. */
-static void stop_python(ar_engine *e) {
-  pthread_mutex_lock(&e->py_lock);
-  e->py_stop = 1;
-  pthread_cond_broadcast(&e->py_cond);
-  pthread_mutex_unlock(&e->py_lock);
-}
-
 static void *worker(void *arg) {
   ar_engine *e = arg;
   atomic_store(&e->tid, (int64_t)syscall(SYS_gettid));
@@ -754,29 +773,11 @@ static void *worker(void *arg) {
     if (cmd.kind == K_STOP) break;
     run_record(e, &cmd);
   }
-  stop_python(e);
+  ar_py_stop(e);
   return NULL;
 }
 
 /* ---- the shared workers (see "Shared workers" at the top) ------------------------------------------------ */
-
-static struct {
-  pthread_mutex_t lock;
-  pthread_cond_t cond; /* on CLOCK_MONOTONIC */
-  ar_engine *head, *tail; /* the ready list */
-  ar_engine *parked;      /* queues whose next record waits for a signal */
-  _Atomic int ready;      /* queues on the ready list */
-  int sleeping;           /* workers waiting on cond */
-  _Atomic int looking;    /* workers in take_ready (polling or asleep) */
-  int threads;            /* workers running */
-  int base;               /* the workers asked for; more are started while queues starve (see the watchdog) */
-  _Atomic uint64_t progress; /* records run by the workers, all told */
-  pthread_cond_t watch;      /* the watchdog waits on it (CLOCK_MONOTONIC) */
-  int watch_idle;            /* the watchdog waits with no timeout: signal `watch` when queues may starve */
-  _Atomic int64_t spin_now;
-} pool = {.lock = PTHREAD_MUTEX_INITIALIZER};
-
-#define STARVED_NS 2000000 /* queues ready while no worker ran a record for this long: one more worker */
 
 /* Put e at the back of the ready list (under pool.lock). */
 static void push_ready(ar_engine *e) {
@@ -893,13 +894,7 @@ static int serve(ar_engine *e) {
     ar_cmd *c = head_cmd(e);
     if (!c) return S_EMPTY;
     if (e->boundary) {
-      ar_engine *h = atomic_load_explicit(&e->high, memory_order_acquire);
-      while (h && has_runnable(h)) { /* let it go first */
-        /* it is (or is about to be) ready, or another queue is: go to the back of the list */
-        if (h->shared && (atomic_load(&h->run_state) != R_RUNNING || atomic_load(&pool.ready))) return S_YIELD;
-        /* a worker runs it and nothing else waits: wait a while, as a worker of its own does */
-        ar_sig_wait(h->timeline, atomic_load(&h->timeline->value) + 1, YIELD_NS);
-      }
+      if (yield_to_high(e)) return S_YIELD;
       if (ran && atomic_load(&pool.ready) && !atomic_load(&pool.looking)) return S_YIELD; /* none free to take it */
     }
     if (c->kind == K_WAIT && e->skipping != c->value) {
@@ -920,7 +915,7 @@ static int serve(ar_engine *e) {
     }
     ar_cmd cmd = take_cmd(e, c);
     if (cmd.kind == K_STOP) {
-      stop_python(e);
+      ar_py_stop(e);
       pthread_mutex_lock(&e->lock);
       e->finished = 1;
       pthread_cond_broadcast(&e->cond);
