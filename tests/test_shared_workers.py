@@ -14,7 +14,7 @@ import pytest
 
 from aruntime import Device, OpError, SignalTimeout, dtypes, transfer
 from aruntime.engine import NativeEngine
-from aruntime.engine.native.engine import shared_workers
+from aruntime.engine.native.engine import allowed_cpus
 from tests.kernels import ADD_ONE, SPINS, closed_gate, gate_started
 
 pytestmark = pytest.mark.anyio
@@ -31,7 +31,7 @@ async def test_queues_held_by_long_kernels_do_not_starve_the_others() -> None:
     """A gate kernel on the compute queue of one device more than there are shared workers keeps every worker
     busy; a round trip on another device's queues still completes (the watchdog starts a worker for it), and
     once the gates open everything finishes."""
-    gated = [_shared(f"CPU:{110 + i}") for i in range(shared_workers() + 1)]
+    gated = [_shared(f"CPU:{110 + i}") for i in range(allowed_cpus() + 1)]
     other = _shared("CPU:120")
     gates = []
     for dev in gated:

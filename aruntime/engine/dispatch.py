@@ -79,9 +79,7 @@ def dispatch_when_ready(
     for engine, _, op in ops:
         op.hold(engine)
     if recorder.enabled:
-        for op, on, dep in blockers:
-            if not on:
-                _record_deps(op, (dep,))
+        recorder.add(DependencyEvent(dep.id, op.id) for op, on, dep in blockers if not on)
     one_ready = after_all(len(blockers) + (window is not None), lambda: _dispatch(ops, mine))
     for _, on_dispatch, dep in blockers:
         (dep.when_dispatched if on_dispatch else dep.when_done)(one_ready)

@@ -69,15 +69,14 @@ does not the poll halves (down to none), so a worker whose work comes in bursts 
 soon sleeps at once. A process allowed a single CPU never polls: the CPU is the submitter's."""
 
 
-def shared_workers() -> int:
-    """How many shared workers serve the queues that run on them: one per CPU this process may use."""
+def allowed_cpus() -> int:
+    """How many CPUs this process may run on: as many shared workers serve the queues that run on them."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def default_spin_ns() -> int:
     """:data:`SPIN_NS` where this process may run on more than one CPU, else 0."""
-    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
-    return SPIN_NS if len(allowed) > 1 else 0
+    return SPIN_NS if allowed_cpus() > 1 else 0
 
 
 CELLS = 512
@@ -221,15 +220,15 @@ class NativeEngine(Engine):
         self._lib = lib
         self.chunk = chunk
         spin = default_spin_ns() if spin_ns is None else spin_ns
-        eng = lib.ar_engine_new(self.signal.ptr, spin, shared_workers() if shared else 0)
+        eng = lib.ar_engine_new(self.signal.ptr, spin, allowed_cpus() if shared else 0)
         if not eng:
             raise MemoryError(f"{self.signal.name}: the native engine could not start")
         lib.ar_engine_metrics(eng, int(self.keeps_metrics))
         self.address: int = eng
         """The native engine's address (what other engines' dependency checks name)."""
         self.shared = shared
-        """Whether the shared workers run its commands (:func:`shared_workers` threads serving every such queue
-        in the order they got work), rather than a worker thread of its own."""
+        """Whether the shared workers run its commands (:func:`allowed_cpus` threads serving every such queue in
+        the order they got work), rather than a worker thread of its own."""
         self.failures = _u64(eng + lib.ar_engine_field(1))
         self._last = _u64(eng + lib.ar_engine_field(3))
         self.thread_id = int(_u64(eng + lib.ar_engine_field(4))[0])

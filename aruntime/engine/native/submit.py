@@ -2,8 +2,9 @@
 
 Submitting an op in Python costs several microseconds on the event loop's thread (the checks, the op object,
 the hazard logs, packing the arguments and records, a ctypes call). ``submit.c`` does the same for the common op
-(one kernel or copy that the worker runs without Python, with no hold, normal priority and no profile
-recording, straight on a device or through a :class:`~aruntime.scheduler.Scheduler`) with the same rules:
+(one kernel or copy that the worker runs without Python, with no hold and normal priority, straight on a device
+or through a :class:`~aruntime.scheduler.Scheduler`, recording its range and flows where a profile records) with
+the same rules:
 ``launch`` and ``copy`` from :meth:`BaseDevice.launch <aruntime.device.base.BaseDevice.launch>`, ``copyin`` and
 ``copyout`` (a kernel whose program has a launch plan, see :attr:`Program._plan
 <aruntime.device.program.Program>`; plain buffers of numbers), ``submit`` from
