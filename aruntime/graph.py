@@ -27,6 +27,7 @@ from aruntime.engine import (
     Command,
     Engine,
     Op,
+    Prepared,
     TimelineSignal,
     Window,
     dispatch_when_ready,
@@ -85,6 +86,20 @@ class _Step:
 
 
 @dataclass
+class _Part:
+    """One engine's commands of a replay, made once per set of buffer handles; each replay puts in its own
+    :class:`Param` launches (``holes``: position, step), host copies (``copies``: position, whether a copy-out,
+    host name, bytes, buffer handle, device, name; their steps in ``copy_steps``) and progress values
+    (``marks``: position, WAIT or SIGNAL, signal, and the value as runs times ``per_run`` plus ``value``)."""
+
+    cmds: Prepared
+    holes: list[tuple[int, _Step]]
+    copies: list[tuple[int, bool, str, int, Any, BaseDevice, str]]
+    copy_steps: list[_Step]
+    marks: list[tuple[int, int, TimelineSignal, int, int]]
+
+
+@dataclass
 class _Plan:
     engines: list[Engine]
     placed: list[Engine]  # the engine each entry runs on
@@ -131,8 +146,9 @@ class Graph:
         self.id = next(_graph_ids)
         self.entries: list[_Entry] = []
         self._plan: _Plan | None = None
-        # the handles of the plan's buffers at the last replay, and the commands that depend on nothing else
-        self._fixed: tuple[list[Any], list[Command | None]] | None = None
+        # the handles of the plan's buffers at the last replay, the commands that depend on nothing else, and
+        # each engine's part of a replay made with them
+        self._fixed: tuple[list[Any], list[Command | None], dict[Engine, _Part]] | None = None
         self._runs = 0
         self._lock = threading.Lock()
 
@@ -315,37 +331,97 @@ class Graph:
         handles = [b._handle if b._base is None and b._handle is not None else b.handle for b in bufs]
         fixed = self._fixed
         if fixed is None or fixed[0] != handles:  # replays mostly repeat the buffers: reuse what depends on them only
-            fixed = self._fixed = (handles, [None] * len(self.entries))
+            commands: list[Command | None] = [None] * len(self.entries)
             for steps in plan.steps.values():
                 for step in steps:
-                    fixed[1][step.index] = self._fixed_command(step, handles)
-        commands = fixed[1]
+                    commands[step.index] = self._fixed_command(step, handles)
+            fixed = self._fixed = (handles, commands, {})
         timing = recorder.enabled
         times: list[list[float]] = [[] for _ in self.entries] if timing else []
         results: dict[str, Any] = {}
         keep: list[Any] = [bufs]
         bodies: dict[Engine, list[Command]] = {}
-        for engine, steps in plan.steps.items():
-            base = run_index * len(steps)
-            progress = plan.progress[engine]
-            cmds: list[Command] = []
-            for step in steps:
-                for signal, count, p in step.waits:
-                    cmds.append((WAIT, signal, run_index * count + p))
-                if timing:
-                    cmds.append((TIMESTAMP, times[step.index]))
-                command = commands[step.index]
-                cmds.append(command or self._command(step, handles, inputs, keep, results))
-                if timing:
-                    cmds.append((TIMESTAMP, times[step.index]))
-                if step.signal:
-                    cmds.append((SIGNAL, progress, base + step.signal))
-            bodies[engine] = cmds
+        parts = fixed[2]
+        for engine in plan.engines:
+            part = None if timing else parts.get(engine)
+            if part is None:
+                cmds = self._commands(plan, engine, run_index, fixed[1], handles, inputs, keep, results, times)
+                if not timing:
+                    part = parts[engine] = _Part(engine.prepare(cmds), [], [], [], [])
+                    self._holes(part, plan, engine, fixed[1], handles)
+                    cmds = part.cmds.fresh()  # what is submitted is never the part's own
+                bodies[engine] = cmds
+                continue
+            body = bodies[engine] = part.cmds.fresh()
+            put = body.put
+            for at, step in part.holes:
+                put(at, self._command(step, handles, inputs, keep, results))
+            copies, i, fast = part.copies, 0, engine.fast
+            while i < len(copies):  # in C where it can (see aruntime.engine.native.submit), else here
+                i = i if fast is None else fast.put_copies(body, copies, i, inputs, keep, results)
+                if i < len(copies):
+                    put(copies[i][0], self._command(part.copy_steps[i], handles, inputs, keep, results))
+                    i += 1
+            for at, kind, signal, per_run, value in part.marks:
+                put(at, (kind, signal, run_index * per_run + value))
         ops = self._submit(plan, bodies, bufs, keep, run_index, window)
         run = GraphRun(tuple(ops), results)
         if timing:
             _record_when_done(run, self, plan, times)
         return run
+
+    def _commands(
+        self,
+        plan: _Plan,
+        engine: Engine,
+        run_index: int,
+        commands: list[Command | None],
+        handles: list[Any],
+        inputs: dict[str, Any],
+        keep: list[Any],
+        results: dict[str, Any],
+        times: list[list[float]],
+    ) -> list[Command]:
+        """``engine``'s commands of replay ``run_index``, timestamped where ``times`` are taken."""
+        steps = plan.steps[engine]
+        base = run_index * len(steps)
+        progress = plan.progress[engine]
+        cmds: list[Command] = []
+        for step in steps:
+            for signal, count, p in step.waits:
+                cmds.append((WAIT, signal, run_index * count + p))
+            if times:
+                cmds.append((TIMESTAMP, times[step.index]))
+            command = commands[step.index]
+            cmds.append(command or self._command(step, handles, inputs, keep, results))
+            if times:
+                cmds.append((TIMESTAMP, times[step.index]))
+            if step.signal:
+                cmds.append((SIGNAL, progress, base + step.signal))
+        return cmds
+
+    @staticmethod
+    def _holes(part: _Part, plan: _Plan, engine: Engine, commands: list[Command | None], handles: list[Any]) -> None:
+        """Fill in where ``part``'s commands (made by :meth:`_commands` without timestamps) change per replay."""
+        steps = plan.steps[engine]
+        progress = plan.progress[engine]
+        at = 0
+        for step in steps:
+            for signal, count, p in step.waits:
+                part.marks.append((at, WAIT, signal, count, p))
+                at += 1
+            entry = step.entry
+            if entry.kind == "launch" and commands[step.index] is None:
+                part.holes.append((at, step))
+            elif entry.kind in ("copyin", "copyout"):
+                handle = handles[step.slots[0]]
+                out = entry.kind == "copyout"
+                part.copies.append((at, out, entry.host, entry.nbytes, handle, entry.device, entry.name))
+                part.copy_steps.append(step)
+            at += 1
+            if step.signal:
+                part.marks.append((at, SIGNAL, progress, len(steps), step.signal))
+                at += 1
 
     def _substituted(self, plan: _Plan, buffers: dict[Buffer, Buffer]) -> list[Buffer]:
         """The plan's buffers with ``buffers``' replacements (checked) in place of captured ones."""
@@ -431,7 +507,10 @@ class Graph:
         ops = {e: Op(f"Graph #{self.id} replay {run_index} ({_label(plan.steps[e])})", (), keep) for e in plan.engines}
         deps: dict[Engine, list[Op]] = {e: [] for e in plan.engines}
         inputs: dict[Engine, list[Op]] = {e: [] for e in plan.engines}
-        for engine, i, write, uses in plan.accesses:
+        fast = plan.engines[0].fast
+        if fast is not None:  # the same, in C (see aruntime.engine.native.submit)
+            fast.accesses(bufs, plan.accesses, ops, deps, inputs)
+        for engine, i, write, uses in () if fast is not None else plan.accesses:
             b = bufs[i]
             b.log.access(b.offset, b.offset + b.nbytes, write, uses, ops[engine], engine, deps[engine], inputs[engine])
         mine = set(ops.values())

@@ -66,6 +66,42 @@ async def test_many_replays_in_flight_keep_their_order() -> None:
         assert values((await run)["y"]) == {float(k)}
 
 
+async def test_replays_after_the_first_put_their_own_memory_and_progress_into_prepared_commands() -> None:
+    # after its first replay each engine's part is prepared once (on the native engine: its ring records packed)
+    # and every replay puts in its own host memory and progress values: copies on the copy queues here, so that
+    # the parts wait for one another on the graph's progress signals
+    a, b = Device["CPU:2"], Device["CPU:3"]
+    pa, pb = await a.compile(SCALE, outs=(0,)), await b.compile(SCALE, outs=(0,))
+    xa, ya = await a.allocate(N, dtypes.float32), await a.allocate(N, dtypes.float32)
+    xb, yb = await b.allocate(N, dtypes.float32), await b.allocate(N, dtypes.float32)
+    a.inline_copy_max = b.inline_copy_max = 0
+    try:
+        graph = Graph()
+        graph.copyin(xa, "x")
+        graph.launch(pa, ya, xa, vals=(N, 2.0))
+        graph.transfer(xb, ya)
+        graph.launch(pb, yb, xb, vals=(N, Param("scale")))
+        graph.copyout(yb, "y")
+        kinds = [floats, lambda k: bytes(floats(k)), lambda k: memoryview(bytearray(floats(k)))]
+        given = {k: bytearray(N * 4) for k in range(0, 60, 3)}  # some replays name their destination
+        runs = [
+            graph.replay(x=kinds[k % 3](k), scale=float(k % 5), **({"y": given[k]} if k in given else {}))
+            for k in range(60)
+        ]
+        assert len({op.engine for op in runs[0].ops}) == 4
+        for k, run in enumerate(runs):
+            result = await run
+            assert values(result["y"]) == {2.0 * k * (k % 5)}
+            assert k not in given or result["y"] is given[k]
+        with pytest.raises(BufferUsageError, match="graph input 'x' has 8 bytes"):
+            graph.replay(x=b"12345678", scale=1.0)
+        with pytest.raises(BufferUsageError, match="graph output 'y' has 4 bytes"):
+            graph.replay(x=floats(1), scale=1.0, y=bytearray(4))
+        assert values((await graph.replay(x=floats(7), scale=3.0))["y"]) == {42.0}
+    finally:
+        a.inline_copy_max = b.inline_copy_max = 64 << 10
+
+
 async def test_graph_across_devices_with_transfer_and_scheduler() -> None:
     a, b = Device["CPU"], Device["CPU:1"]
     pa, pb = await a.compile(SCALE, outs=(0,)), await b.compile(SCALE, outs=(0,))

@@ -27,6 +27,7 @@ from aruntime.engine.ops import (
     CopyFn,
     Engine,
     Op,
+    Prepared,
     check_deps,
     first_failure,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "KernelError",
     "NativeEngine",
     "Op",
+    "Prepared",
     "Sample",
     "ThreadEngine",
     "TimelineSignal",

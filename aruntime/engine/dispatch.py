@@ -6,7 +6,7 @@ from array import array
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Protocol
 
-from aruntime.engine.ops import Command, CommandQueue, Engine, Op
+from aruntime.engine.ops import Command, CommandQueue, Engine, Op, Prepared
 from aruntime.errors import DeviceError
 from aruntime.events import DependencyEvent, recorder
 from aruntime.helpers import after_all
@@ -143,7 +143,7 @@ def _dispatch(ops: Sequence[tuple[Engine, list[Command], Op]], mine: Collection[
                 cq.wait(dep_engine.signal, value)
             if recorder.enabled:
                 _record_deps(op, [d for d in op.deps if d.engine in waits and id(d) not in mine])
-            body = cq.cmds + body
+            body = body.after(cq.cmds) if isinstance(body, Prepared) else cq.cmds + body
         try:
             engine.push(body, op)
         except DeviceError as exc:  # its engine was closed while it was held

@@ -129,6 +129,27 @@ class CommandQueue:
         return self
 
 
+class Prepared(list[Command]):
+    """Commands made once and submitted many times with a few of them changed (a graph's part of a replay):
+    :meth:`fresh` copies them, :meth:`put` replaces one. An engine may keep its own form of them alongside (the
+    native engine: their packed ring records, see :meth:`Engine.prepare`)."""
+
+    __slots__ = ()
+
+    def fresh(self) -> Prepared:
+        """A copy to change and submit."""
+        return Prepared(self)
+
+    def put(self, index: int, cmd: Command) -> None:
+        """Replace command ``index`` with ``cmd``, a command of the same kind (and, for a kernel or a copy, of the
+        same function)."""
+        self[index] = cmd
+
+    def after(self, waits: list[Command]) -> Prepared:
+        """These commands with the wait commands ``waits`` first."""
+        return Prepared(waits + self)
+
+
 class Op:
     """The awaitable handle of one submission.
 
@@ -444,6 +465,10 @@ class Engine:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.signal.name}>"
+
+    def prepare(self, cmds: list[Command]) -> Prepared:
+        """``cmds`` made ready to be submitted many times (see :class:`Prepared`)."""
+        return Prepared(cmds)
 
     def submit(self, cq: CommandQueue, op: Op) -> Op:
         """Hand ``cq`` to the engine; ``op`` completes when it has run. Never blocks."""

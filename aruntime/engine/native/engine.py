@@ -43,6 +43,7 @@ from aruntime.engine.ops import (
     Command,
     Engine,
     Op,
+    Prepared,
     check_deps,
     run_copy,
     skip_error,
@@ -58,6 +59,11 @@ CHECK_BIT = 1 << 31
 TAG = 1 << 63
 """In a dependency check's (engine, value) pair: the value is read from the cell at this address."""
 _RECORD = struct.Struct("=IIQQQQQQII8x")
+_WORDS = _RECORD.size // 8
+"""The 64-bit words of a ring record; the op id is word ``_OP_WORD``, the command's index in ``_INDEX_WORD``."""
+_OP_WORD = 6
+_INDEX_WORD = 7
+"""The word of a ring record that holds its name's number (low half) and its command's index (high half)."""
 """One command record, as core.c's ``ar_cmd``: kind, flags, a, b, c, d, op value, op id, name id, index (and the
 time it is appended, which the core writes)."""
 RETIRE_EVERY = 64
@@ -134,6 +140,12 @@ def _work_record(cmd: Command, kind: int, flags: int, op_id: int, index: int, ga
     return _RECORD.pack(kind, flags, 0, 0, 0, gate, 0, op_id, name, index)
 
 
+def _wait_record(cmd: Command, flags: int, index: int, op_id: int = 0) -> bytes:
+    """The ring record of the WAIT command ``cmd`` (command ``index`` of op ``op_id``)."""
+    sig = cmd[1]
+    return _RECORD.pack(K_WAIT, flags, sig.ptr, cmd[2], int(sig.timeout * 1e9), 0, 0, op_id, 0, index)
+
+
 def _as_run(cmd: Command, kind: int) -> Command:
     """What an op keeps of a kernel or copy command the core runs by itself (``kind``): the command with its
     function replaced by the entry's address (a kernel: its packed arguments stay) or None (a copy). Its parts
@@ -142,6 +154,52 @@ def _as_run(cmd: Command, kind: int) -> Command:
     if kind == K_EXEC:
         return (EXEC, cmd[1], cmd[2].address, cmd[3])
     return (COPY, cmd[1], None, cmd[3], cmd[4], cmd[5])
+
+
+class _Packed(Prepared):
+    """Commands prepared for a native engine, with their ring records packed (op id 0, no gate, no profile), as
+    the words :meth:`put` patches; ``words`` is None once a command was put that the records cannot follow.
+    ``checks``: the commands before which the worker checks an op's inputs (its first kernel or copy, and the
+    first after each wait), as :meth:`NativeEngine._pack` places them."""
+
+    __slots__ = ("checks", "words")
+
+    def __init__(self, cmds: list[Command], words: array[int] | None, checks: tuple[int, ...]) -> None:
+        super().__init__(cmds)
+        self.words = words
+        self.checks = checks
+
+    def fresh(self) -> _Packed:
+        return _Packed(self, None if self.words is None else array("Q", self.words), self.checks)
+
+    def after(self, waits: list[Command]) -> _Packed:
+        words = self.words
+        if words is None or any(cmd[0] != WAIT for cmd in waits):
+            return _Packed(waits + self, None, ())
+        shift = len(waits)
+        ahead = [_wait_record(cmd, 0, i) for i, cmd in enumerate(waits)]
+        shifted = array("Q", words)
+        shifted[_INDEX_WORD::_WORDS] = array("Q", [w + (shift << 32) for w in words[_INDEX_WORD::_WORDS]])
+        return _Packed(waits + self, array("Q", b"".join(ahead)) + shifted, tuple(i + shift for i in self.checks))
+
+    def put(self, index: int, cmd: Command) -> None:
+        old = self[index]
+        self[index] = cmd
+        words = self.words
+        if words is None:
+            return
+        at = _WORDS * index
+        kind = cmd[0]
+        if kind in (WAIT, SIGNAL):
+            words[at + 2] = cmd[2]
+        elif cmd[2] is not old[2]:  # another function: the records are packed again at submission
+            self.words = None
+        elif words[at] & 0xFFFFFFFF == K_NOP:
+            pass
+        elif kind == EXEC:
+            words[at + 2] = cmd[3][1]
+        else:
+            words[at + 1], words[at + 2], words[at + 3] = cmd[3], cmd[4], cmd[5]
 
 
 def _cell_address(op: Op) -> int:
@@ -339,12 +397,36 @@ class NativeEngine(Engine):
                 lib.ar_pend_on_sig(pend, dep_engine.signal.ptr, dep.value)
         lib.ar_pend_go(pend)
 
+    def prepare(self, cmds: list[Command]) -> Prepared:
+        """``cmds`` with their ring records packed once, where the worker runs each of them without Python."""
+        records = []
+        checks: list[int] = []
+        check = True
+        last = len(cmds) - 1
+        for i, cmd in enumerate(cmds):
+            kind, flags = cmd[0], F_END if i == last else 0
+            if kind == WAIT:
+                records.append(_wait_record(cmd, flags, i))
+                check = True
+            elif kind == SIGNAL:
+                records.append(_RECORD.pack(K_SIGNAL, flags, cmd[1].ptr, cmd[2], 0, 0, 0, 0, 0, i))
+            elif kind in (EXEC, COPY) and (work := _work_kind(cmd)) != K_PY:
+                records.append(_work_record(cmd, work, flags, 0, i, 0))
+                if check:
+                    checks.append(i)
+                    check = False
+            else:  # a timestamp, a Python callable
+                return Prepared(cmds)
+        return _Packed(cmds, array("Q", b"".join(records)) if records else None, tuple(checks))
+
     def _pack(self, cmds: list[Command], op: Op) -> tuple[bytes, int, Sequence[Any] | None]:
         """The ring records of ``op``'s commands (their value is set by the core), how many, and what must be
         kept alive until the op has run (a tuple: of bytes only, unless the op takes timestamps, so that the
         garbage collector stops tracking it)."""
         op_id = op.id
         record = F_RECORD if recorder.enabled else 0
+        if type(cmds) is _Packed and cmds.words is not None and not record and op.gate is None:
+            return self._packed(cmds, cmds.words, op)
         checked = not op.inputs
         gate = 0 if op.gate is None else op.gate.buffer_info()[0]
         if len(cmds) == 1 and cmds[0][0] >= EXEC:  # most ops: one kernel or copy
@@ -371,8 +453,7 @@ class NativeEngine(Engine):
             kind = cmd[0]
             flags = F_END if i == last else 0
             if kind == WAIT:
-                sig = cmd[1]
-                add(pack(K_WAIT, flags, sig.ptr, cmd[2], int(sig.timeout * 1e9), 0, 0, op_id, 0, i))
+                add(_wait_record(cmd, flags, i, op_id))
                 checked = not op.inputs
                 continue
             if kind == SIGNAL:
@@ -402,6 +483,23 @@ class NativeEngine(Engine):
             gate = 0
         packed = records[0] if len(records) == 1 else b"".join(records)
         return packed, len(records), None if keep is None else tuple(keep)
+
+    def _packed(self, cmds: _Packed, words: array[int], op: Op) -> tuple[bytes, int, Sequence[Any] | None]:
+        """:meth:`_pack` for commands packed ahead: the op's id put in, and its input checks where it has any."""
+        count = len(cmds)
+        words[_OP_WORD::_WORDS] = array("Q", [op.id]) * count
+        pairs = self._check_pairs(op) if op.inputs else None
+        if pairs is None:
+            return words.tobytes(), count, None
+        self._python_runs(op)  # the cells the pairs name are kept alive by the inputs' ops
+        address, n = bytes_address(pairs), len(pairs) // 16
+        parts, at = [], 0
+        for i in cmds.checks:
+            parts.append(words[at * _WORDS : i * _WORDS].tobytes())
+            parts.append(_RECORD.pack(K_CHECK, 0, address, n, 0, 0, 0, op.id, 0, i | CHECK_BIT))
+            at = i
+        parts.append(words[at * _WORDS :].tobytes())
+        return b"".join(parts), count + len(cmds.checks), (pairs,)
 
     def _python_runs(self, op: Op) -> None:
         """Let the engine's Python thread (started now if need be) find ``op`` (before its command is pushed)."""

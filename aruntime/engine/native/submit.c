@@ -186,9 +186,9 @@ static int contains(PyObject *list, PyObject *item) {
   return 0;
 }
 
-/* AccessLog.access (memory/hazards.py), the same rules: -1 on error. */
-static int log_access(PyObject *buf, int write, PyObject *op, PyObject *engine, PyObject *deps, PyObject *inputs) {
-  int consumes = !write;
+/* AccessLog.access (memory/hazards.py) of all of `buf`, the same rules: -1 on error. */
+static int log_access(PyObject *buf, int write, int consumes, PyObject *op, PyObject *engine, PyObject *deps,
+                      PyObject *inputs) {
   PyObject *log = PyObject_GetAttr(buf, s_log);
   if (!log) return -1;
   PyObject *off = PyObject_GetAttr(buf, s_offset), *size = off ? PyObject_GetAttr(buf, s_nbytes) : NULL;
@@ -1130,9 +1130,9 @@ static PyObject *do_submit(PyObject *engine, PyObject *name, PyObject *body, PyO
     PyBuffer_Release(&view);
   }
   for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(reads); i++)
-    if (log_access(PyTuple_GET_ITEM(reads, i), 0, op, engine, deps, inputs)) goto fail;
+    if (log_access(PyTuple_GET_ITEM(reads, i), 0, 1, op, engine, deps, inputs)) goto fail;
   for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(writes); i++)
-    if (log_access(PyTuple_GET_ITEM(writes, i), 1, op, engine, deps, inputs)) goto fail;
+    if (log_access(PyTuple_GET_ITEM(writes, i), 1, 0, op, engine, deps, inputs)) goto fail;
   Py_ssize_t ni = PyList_GET_SIZE(inputs);
   if (ni) {
     int same = PyList_GET_SIZE(deps) == ni; /* one list for both where they agree (a copy-out), as in Python */
@@ -1662,7 +1662,138 @@ static PyObject *init(PyObject *self, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+/* accesses(buffers, accesses, ops, deps, inputs): for each (engine, index, writes, consumes) of `accesses`,
+ * AccessLog.access of all of buffers[index] by ops[engine], bound for engine, adding to deps[engine] and
+ * inputs[engine] (dicts of lists), as a graph replay records its accesses; None. */
+static PyObject *accesses(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  (void)self;
+  if (nargs != 5 || !PyList_Check(args[0]) || !PyList_Check(args[1]) || !PyDict_Check(args[2]) ||
+      !PyDict_Check(args[3]) || !PyDict_Check(args[4])) {
+    PyErr_SetString(PyExc_TypeError, "accesses(list of buffers, list of accesses, ops, deps, inputs: dicts)");
+    return NULL;
+  }
+  PyObject *bufs = args[0], *list = args[1];
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
+    PyObject *a = PyList_GET_ITEM(list, i);
+    if (!PyTuple_Check(a) || PyTuple_GET_SIZE(a) != 4) {
+      PyErr_Format(PyExc_TypeError, "accesses: %R is not (engine, index, writes, consumes)", a);
+      return NULL;
+    }
+    PyObject *engine = PyTuple_GET_ITEM(a, 0);
+    Py_ssize_t index = PyLong_AsSsize_t(PyTuple_GET_ITEM(a, 1));
+    if (index == -1 && PyErr_Occurred()) return NULL;
+    if (index < 0 || index >= PyList_GET_SIZE(bufs)) {
+      PyErr_Format(PyExc_IndexError, "accesses: buffer index %zd of %zd", index, PyList_GET_SIZE(bufs));
+      return NULL;
+    }
+    int write = PyObject_IsTrue(PyTuple_GET_ITEM(a, 2)), consumes = PyObject_IsTrue(PyTuple_GET_ITEM(a, 3));
+    if (write < 0 || consumes < 0) return NULL;
+    PyObject *op = PyDict_GetItemWithError(args[2], engine);
+    PyObject *deps = op ? PyDict_GetItemWithError(args[3], engine) : NULL;
+    PyObject *inputs = deps ? PyDict_GetItemWithError(args[4], engine) : NULL;
+    if (!inputs) {
+      if (!PyErr_Occurred()) PyErr_Format(PyExc_KeyError, "accesses: no op, deps or inputs for %R", engine);
+      return NULL;
+    }
+    if (!is_op(op, "accesses' ops") || !PyList_Check(deps) || !PyList_Check(inputs)) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "accesses: deps and inputs must hold lists");
+      return NULL;
+    }
+    if (log_access(PyList_GET_ITEM(bufs, index), write, consumes, op, engine, deps, inputs)) return NULL;
+  }
+  Py_RETURN_NONE;
+}
+
+/* One hole of put_copies (see there) put into `body`, patching `recs` (`nrecs` records, or none): 1, 0 where the
+ * Python path must take it, -1 on error. */
+static int put_copy(PyObject *body, PyObject *hole, PyObject *inputs, PyObject *keep, PyObject *results, ar_cmd *recs,
+                    Py_ssize_t nrecs) {
+  if (!PyTuple_Check(hole) || PyTuple_GET_SIZE(hole) != 7) {
+    PyErr_Format(PyExc_TypeError, "put_copies: hole %R is not (at, out, host, nbytes, handle, device, name)", hole);
+    return -1;
+  }
+  Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(hole, 0));
+  int out = PyTuple_GET_ITEM(hole, 1) == Py_True;
+  PyObject *host = PyTuple_GET_ITEM(hole, 2), *size = PyTuple_GET_ITEM(hole, 3), *handle = PyTuple_GET_ITEM(hole, 4);
+  Py_ssize_t want = PyLong_AsSsize_t(size);
+  uint64_t h = PyLong_AsUnsignedLongLong(handle);
+  if (PyErr_Occurred()) return -1;
+  if (at < 0 || at >= PyList_GET_SIZE(body)) return 0;
+  PyObject *old = PyList_GET_ITEM(body, at);
+  PyObject *data = PyDict_GetItemWithError(inputs, host); /* borrowed: the dict holds it */
+  if (!data) return PyErr_Occurred() ? -1 : 0;
+  PyObject *fn = PyObject_GetAttr(PyTuple_GET_ITEM(hole, 5), s_copy_fn); /* the device's, now */
+  if (!fn) return -1;
+  PyObject *holder = NULL, *cmd = NULL;
+  uint64_t address;
+  Py_ssize_t nbytes;
+  int rc = 0;
+  if (!PyTuple_Check(old) || PyTuple_GET_SIZE(old) != 6 || PyTuple_GET_ITEM(old, 2) != fn) goto out;
+  rc = pin_plain(data, out, &holder, &address, &nbytes);
+  if (rc <= 0 || nbytes != want) {
+    rc = rc < 0 ? -1 : 0;
+    goto out;
+  }
+  rc = -1;
+  cmd = out ? Py_BuildValue("(iOOKOO)", C_COPY, PyTuple_GET_ITEM(hole, 6), fn, (unsigned long long)address, handle, size)
+            : Py_BuildValue("(iOOOKO)", C_COPY, PyTuple_GET_ITEM(hole, 6), fn, handle, (unsigned long long)address, size);
+  if (!cmd || PyList_Append(keep, holder) || (out && PyDict_SetItem(results, host, data))) goto out;
+  PyList_SetItem(body, at, cmd); /* takes cmd, drops old */
+  cmd = NULL;
+  ar_cmd *rec = at < nrecs ? recs + at : NULL;
+  if (rec && rec->kind == K_COPY) { /* a copy the worker runs as a memmove (a NOP on a device without memory) */
+    rec->a = out ? address : h;
+    rec->b = out ? h : address;
+    rec->c = (uint64_t)want;
+  }
+  rc = 1;
+out:
+  Py_XDECREF(cmd);
+  Py_XDECREF(holder);
+  Py_DECREF(fn);
+  return rc;
+}
+
+/* put_copies(body, holes, start, inputs, keep, results): a graph replay's host copies into `body` (a Prepared
+ * list; a native one's packed records, its `words`, are patched too), as Graph._command and Prepared.put make
+ * them: for each hole from `start`, (position, is a copy-out, host name, nbytes, buffer handle, device, name),
+ * the host memory inputs[name] pinned (its holder added to `keep`; a copy-out's also set in results[name]) and
+ * the copy command put at its position. Stops at the first hole it cannot take as it stands (a destination not
+ * given, memory pin must look at, a size that differs, a copy function other than the one there): returns its
+ * index (len(holes) once all are put), for the Python path to take it. */
+static PyObject *put_copies(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  (void)self;
+  if (nargs != 6 || !PyList_Check(args[0]) || !PyList_Check(args[1]) || !PyDict_Check(args[3]) ||
+      !PyList_Check(args[4]) || !PyDict_Check(args[5])) {
+    PyErr_SetString(PyExc_TypeError, "put_copies(body: list, holes: list, start, inputs: dict, keep: list, results: dict)");
+    return NULL;
+  }
+  PyObject *body = args[0], *holes = args[1];
+  Py_ssize_t i = PyLong_AsSsize_t(args[2]);
+  if (i == -1 && PyErr_Occurred()) return NULL;
+  PyObject *words_obj = PyObject_GetAttrString(body, "words"); /* a native engine's Prepared has them */
+  if (!words_obj) PyErr_Clear();
+  Py_buffer words = {0};
+  if (words_obj && words_obj != Py_None && PyObject_GetBuffer(words_obj, &words, PyBUF_WRITABLE)) {
+    Py_DECREF(words_obj);
+    return NULL;
+  }
+  Py_ssize_t nrecs = words.buf ? words.len / (Py_ssize_t)sizeof(ar_cmd) : 0;
+  int rc = 1;
+  for (i = i < 0 ? 0 : i; i < PyList_GET_SIZE(holes); i++) {
+    rc = put_copy(body, PyList_GET_ITEM(holes, i), args[3], args[4], args[5], words.buf, nrecs);
+    if (rc <= 0) break;
+  }
+  if (words.buf) PyBuffer_Release(&words);
+  Py_XDECREF(words_obj);
+  return rc < 0 ? NULL : PyLong_FromSsize_t(i);
+}
+
 static PyMethodDef methods[] = {
+    {"put_copies", (PyCFunction)(void (*)(void))put_copies, METH_FASTCALL,
+     "put_copies(body, holes, start, inputs, keep, results): a graph replay's host copies put, up to the index returned"},
+    {"accesses", (PyCFunction)(void (*)(void))accesses, METH_FASTCALL,
+     "accesses(buffers, accesses, ops, deps, inputs): a graph replay's accesses recorded in the hazard logs"},
     {"submit", (PyCFunction)(void (*)(void))submit, METH_FASTCALL,
      "submit(engine, name, body, reads, writes, keep, result, window): the op, or None for the Python path"},
     {"retire", retire, METH_O, "retire(engine): NativeEngine.retire's work, True, or None for the Python path"},
