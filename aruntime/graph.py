@@ -111,6 +111,7 @@ class _Plan:
     buffers: list[Buffer]  # every captured buffer, once
     accesses: list[tuple[Engine, int, bool, bool]]  # (engine, buffer's index, writes, consumes), for hazard tracking
     feeds: dict[Engine, list[Engine]]  # for each engine, the other engines whose entries write what its entries read
+    labels: dict[Engine, str]  # what each engine's part of a replay is named by
 
 
 def _owner(buf: Buffer, what: str) -> BaseDevice:
@@ -273,8 +274,19 @@ class Graph:
                     strongest[key] = (b, write or strongest.get(key, (b, False))[1])
                     consumes.setdefault(id(b), not write)
         accesses = [(engine, slot[id(b)], write, consumes[id(b)]) for (engine, _), (b, write) in strongest.items()]
+        labels = {engine: f"({_label(engine_steps)})" for engine, engine_steps in steps.items()}
         return _Plan(
-            list(order), engines, tuple(deps), progress, frozenset(needed), outputs, steps, buffers, accesses, feeds
+            list(order),
+            engines,
+            tuple(deps),
+            progress,
+            frozenset(needed),
+            outputs,
+            steps,
+            buffers,
+            accesses,
+            feeds,
+            labels,
         )
 
     def _place(self, deps: list[tuple[int, ...]]) -> list[Engine]:
@@ -503,8 +515,9 @@ class Graph:
         window: Window | None,
     ) -> list[Op]:
         for engine in plan.engines:
-            engine.check_open(f"{self!r} replay")
-        ops = {e: Op(f"Graph #{self.id} replay {run_index} ({_label(plan.steps[e])})", (), keep) for e in plan.engines}
+            if engine.closed:
+                engine.check_open(f"{self!r} replay")
+        ops = {e: Op(f"Graph #{self.id} replay {run_index} {plan.labels[e]}", (), keep) for e in plan.engines}
         deps: dict[Engine, list[Op]] = {e: [] for e in plan.engines}
         inputs: dict[Engine, list[Op]] = {e: [] for e in plan.engines}
         fast = plan.engines[0].fast

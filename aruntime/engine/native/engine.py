@@ -59,13 +59,14 @@ CHECK_BIT = 1 << 31
 TAG = 1 << 63
 """In a dependency check's (engine, value) pair: the value is read from the cell at this address."""
 _RECORD = struct.Struct("=IIQQQQQQII8x")
-_WORDS = _RECORD.size // 8
-"""The 64-bit words of a ring record; the op id is word ``_OP_WORD``, the command's index in ``_INDEX_WORD``."""
-_OP_WORD = 6
-_INDEX_WORD = 7
-"""The word of a ring record that holds its name's number (low half) and its command's index (high half)."""
 """One command record, as core.c's ``ar_cmd``: kind, flags, a, b, c, d, op value, op id, name id, index (and the
 time it is appended, which the core writes)."""
+_WORDS = _RECORD.size // 8
+"""The 64-bit words of a ring record."""
+_OP_WORD = 6
+"""The word of a ring record that holds its op's id."""
+_INDEX_WORD = 7
+"""The word of a ring record that holds its name's number (low half) and its command's index (high half)."""
 RETIRE_EVERY = 64
 """Finished ops a submission lets pile up before it retires them (awaiting or observing an op retires it at once)."""
 SPIN_NS = 20_000
