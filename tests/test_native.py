@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 import threading
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -15,7 +16,7 @@ import pytest
 
 from aruntime import CompileError, Device, dtypes
 from aruntime.engine import KernelError, engine_name
-from tests.kernels import SCALE
+from tests.kernels import SCALE, SPINS, closed_gate
 from tests.kernels import SPIN_MS as SPIN
 
 pytestmark = pytest.mark.skipif(engine_name() != "native", reason="the native engine is not in use in this run")
@@ -306,3 +307,61 @@ anyio.run(main)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["0", "0"]
+
+
+@pytest.mark.anyio
+async def test_commands_prepared_ahead_pack_to_the_records_packed_at_submission() -> None:
+    """A graph replay's commands packed once (Engine.prepare), then changed and given waits in front, give the
+    same ring records as the same commands packed at submission, input checks included."""
+    from aruntime.engine import COPY, EXEC, SIGNAL, WAIT, Op
+    from aruntime.engine.native.engine import _RECORD, K_CHECK, NativeEngine, _Packed
+
+    def packed(cmds: list[Any], op: Op) -> tuple[list[list[int]], list[bytes]]:
+        """The records packed for ``op`` (a check's pairs by content, not where they are) and what they keep."""
+        records, count, keep = engine._pack(cmds, op)
+        rows = [list(_RECORD.unpack_from(records, i * _RECORD.size)) for i in range(count)]
+        for row in rows:
+            row[2] = 0 if row[0] == K_CHECK else row[2]
+        return rows, [bytes(k) for k in keep or ()]
+
+    a, b = Device["CPU:7"], Device["CPU:8"]
+    prog = await a.compile(SCALE, outs=(0,))
+    x, y = await a.allocate(256, dtypes.float32), await a.allocate(256, dtypes.float32)
+    engine, other = a.compute, b.compute
+    assert isinstance(engine, NativeEngine) and isinstance(other, NativeEngine)
+    host = array.array("f", range(256))
+    address = host.buffer_info()[0]
+    fn, args = prog.bind([x.handle, y.handle], [256, 2.0])
+    cmds = [
+        (WAIT, other.signal, 3),
+        (COPY, "copyin", a.copy_fn, x.handle, address, 1024),
+        (EXEC, prog.name, fn, args),
+        (SIGNAL, engine.signal, 9),
+        (COPY, "copyout", a.copy_fn, 0, y.handle, 1024),  # its host memory is put in per use
+    ]
+    prepared = engine.prepare(cmds)
+    assert type(prepared) is _Packed and prepared.words is not None
+    body = prepared.fresh()
+    body.put(4, (COPY, "copyout", a.copy_fn, address, y.handle, 1024))
+    body.put(0, (WAIT, other.signal, 5))
+    expected = [(WAIT, other.signal, 5), *cmds[1:4], (COPY, "copyout", a.copy_fn, address, y.handle, 1024)]
+    assert list(body) == expected and list(prepared) == cmds
+    gate, flag = await closed_gate(b)
+    out = await b.allocate(1, dtypes.int32)
+    running = b.launch(gate, out, vals=(flag.handle, SPINS))  # unfinished until the flag is set
+    waits = [(WAIT, other.signal, 7), (WAIT, b.copy.signal, 1)]
+    for inputs in ((), (running,)):  # with an input that can still fail, a check before each first kernel or copy
+        op, same = Op("prepared"), Op("packed at submission")
+        op.inputs = same.inputs = inputs
+        same.id = op.id
+        assert packed(body, op) == packed(expected, same)
+        ahead = body.after(waits)
+        assert type(ahead) is _Packed and ahead.words is not None and list(ahead) == waits + expected
+        assert packed(ahead, op) == packed(waits + expected, same)
+        assert any(row[0] == K_CHECK for row in packed(ahead, op)[0]) == bool(inputs)
+        engine._python.pop(op.id, None)  # never submitted
+    other_fn = engine.prepare([(COPY, "copy", a.copy_fn, x.handle, y.handle, 4)]).fresh()
+    other_fn.put(0, (COPY, "copy", lambda dst, src, n: None, x.handle, y.handle, 4))
+    assert type(other_fn) is _Packed and other_fn.words is None  # packed at submission, from its commands
+    await b.copyin(flag, array.array("i", [1]))
+    await running

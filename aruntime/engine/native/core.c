@@ -483,8 +483,9 @@ static struct {
   _Atomic int ready;      /* queues on the ready list */
   int sleeping;           /* workers waiting on cond */
   _Atomic int looking;    /* workers in take_ready (polling or asleep) */
-  int threads;            /* workers running */
-  int base;               /* the workers asked for; more are started while queues starve (see the watchdog) */
+  _Atomic int threads;    /* workers running (changed under lock) */
+  _Atomic int base;       /* the workers asked for, one per CPU the process may use; more are started while
+                           * queues starve (see the watchdog) */
   _Atomic uint64_t progress; /* records run by the workers, all told */
   pthread_cond_t watch;      /* the watchdog waits on it (CLOCK_MONOTONIC) */
   int watch_idle;            /* the watchdog waits with no timeout: signal `watch` when queues may starve */
@@ -818,6 +819,13 @@ static void unpark(ar_sig *s, uint64_t v) {
   pthread_mutex_unlock(&pool.lock);
 }
 
+/* Whether a worker that looks for work may poll: it leaves a CPU free for the threads that submit work (the
+ * other workers running a queue are fewer than the CPUs less one). Where every other CPU is busy, polling would
+ * take the CPU the submitter needs; it sleeps at once. */
+static int cpu_spare(void) {
+  return atomic_load(&pool.threads) - atomic_load(&pool.looking) < atomic_load(&pool.base) - 1;
+}
+
 /* The next ready queue (now the caller's: R_RUNNING), once there is one: polling a while, then asleep until
  * one is, or until the earliest timeout of a parked queue's wait (then every parked queue looks again). */
 static ar_engine *take_ready(void) {
@@ -847,7 +855,7 @@ static ar_engine *take_ready(void) {
     }
     int64_t now = now_ns();
     if (!start) start = now;
-    if (now < start + atomic_load_explicit(&pool.spin_now, memory_order_relaxed)) {
+    if (cpu_spare() && now < start + atomic_load_explicit(&pool.spin_now, memory_order_relaxed)) {
       sched_yield();
       continue;
     }
@@ -1010,7 +1018,9 @@ static void shared_after_fork(void) {
   atomic_store(&pool.ready, 0);
   atomic_store(&pool.looking, 0);
   atomic_store(&parked_queues, 0);
-  pool.sleeping = pool.threads = pool.base = pool.watch_idle = 0;
+  pool.sleeping = pool.watch_idle = 0;
+  atomic_store(&pool.threads, 0);
+  atomic_store(&pool.base, 0);
   shared_started = 0;
 }
 
