@@ -146,10 +146,21 @@ async def test_roundtrip_through_cpu_transfers(tmp_path: Path) -> None:
     stored = await dsk.allocate(1000, dtypes.float32)
     back = await cpu.allocate(1000, dtypes.float32)
     cpu.copyin(src, data)
-    await transfer(stored, src)  # CPU -> DISK on the CPU's copy engine
+    op = transfer(stored, src)
+    assert op.engine is cpu.copy  # into a file: on the source's copy engine
+    await op
     assert path.read_bytes() == data.tobytes()  # really in the file
-    await transfer(back, stored)  # DISK -> CPU on the DISK's copy engine
+    op = transfer(back, stored)
+    assert op.engine is cpu.copy  # out of a file: the destination reads it
+    await op
     assert bytes(await cpu.copyout(back)) == data.tobytes()
+    other = Device[disk(tmp_path / "other.bin")]
+    copied = await other.allocate(1000, dtypes.float32)
+    op = transfer(copied, stored)
+    assert op.engine is dsk.copy  # between files: the source's
+    await op
+    assert (tmp_path / "other.bin").read_bytes() == data.tobytes()
+    await other.free(copied)
     await dsk.copyin(stored, bytes(4000))
     assert path.read_bytes() == bytes(4000)
     dsk.copyin(stored, data)

@@ -11,11 +11,15 @@ from aruntime.memory import Buffer
 def transfer_device(src: BaseDevice, dst: BaseDevice) -> BaseDevice:
     """The device whose copy engine runs a transfer from ``src`` to ``dst``.
 
-    The source's when both are one kind or both are :attr:`~BaseDevice.host_mapped` (``copy_fn`` is a memmove);
-    the one that :attr:`~BaseDevice.copies_host` when the other is host-mapped (a device with memory of its own
-    copies between it and host addresses); otherwise no copy engine reaches both memories: a
-    :class:`BufferUsageError` (a NULL buffer, for one, is not host memory).
+    The source's when both are one kind or both are :attr:`~BaseDevice.host_mapped` (``copy_fn`` is a memmove),
+    except out of a file (a :attr:`~BaseDevice.file_backed` device, DISK) into another kind: the destination reads
+    it, so that loads into several devices run side by side, as several readers of a file do; the one that
+    :attr:`~BaseDevice.copies_host` when the other is host-mapped (a device with memory of its own copies between
+    it and host addresses); otherwise no copy engine reaches both memories: a :class:`BufferUsageError` (a NULL
+    buffer, for one, is not host memory).
     """
+    if src.file_backed and not dst.file_backed and src.host_mapped and (dst.host_mapped or dst.copies_host):
+        return dst
     if type(src) is type(dst) or (src.host_mapped and dst.host_mapped):
         return src
     if src.host_mapped and dst.copies_host:
