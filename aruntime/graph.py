@@ -107,6 +107,7 @@ class _Plan:
     progress: dict[Engine, TimelineSignal]
     needed: frozenset[str]  # the copy-in sources and Params every replay must name
     outputs: frozenset[str]  # the copy-out destinations a replay may name
+    named: frozenset[str]  # both
     steps: dict[Engine, list[_Step]]  # what each engine's command queue is made of, in order
     buffers: list[Buffer]  # every captured buffer, once
     accesses: list[tuple[Engine, int, bool, bool]]  # (engine, buffer's index, writes, consumes), for hazard tracking
@@ -282,6 +283,7 @@ class Graph:
             progress,
             frozenset(needed),
             outputs,
+            frozenset(needed) | outputs,
             steps,
             buffers,
             accesses,
@@ -333,12 +335,14 @@ class Graph:
     ) -> GraphRun:
         """Check the inputs, build each engine's commands for run ``run_index`` and submit them (under the lock)."""
         bufs = self._substituted(plan, buffers) if buffers else plan.buffers
-        missing = plan.needed - inputs.keys()
-        if missing:
-            raise ValueError(f"{self!r} replay is missing inputs: {', '.join(sorted(missing))}")
-        unknown = inputs.keys() - plan.needed - plan.outputs
-        if unknown:
-            raise ValueError(f"{self!r} replay got unknown inputs: {', '.join(sorted(unknown))}")
+        names = inputs.keys()
+        if names != plan.needed and names != plan.named:  # else: every input, with or without every output
+            missing = plan.needed - names
+            if missing:
+                raise ValueError(f"{self!r} replay is missing inputs: {', '.join(sorted(missing))}")
+            unknown = names - plan.named
+            if unknown:
+                raise ValueError(f"{self!r} replay got unknown inputs: {', '.join(sorted(unknown))}")
         # a root's own handle, where it has one; anything else through the property, which raises if it was freed
         handles = [b._handle if b._base is None and b._handle is not None else b.handle for b in bufs]
         fixed = self._fixed
@@ -514,26 +518,30 @@ class Graph:
         run_index: int,
         window: Window | None,
     ) -> list[Op]:
-        for engine in plan.engines:
+        engines = plan.engines
+        for engine in engines:
             if engine.closed:
                 engine.check_open(f"{self!r} replay")
-        ops = {e: Op(f"Graph #{self.id} replay {run_index} {plan.labels[e]}", (), keep) for e in plan.engines}
-        deps: dict[Engine, list[Op]] = {e: [] for e in plan.engines}
-        inputs: dict[Engine, list[Op]] = {e: [] for e in plan.engines}
-        fast = plan.engines[0].fast
+        name = f"Graph #{self.id} replay {run_index} "
+        ops = {e: Op(name + plan.labels[e], (), keep) for e in engines}
+        deps: dict[Engine, list[Op]] = {e: [] for e in engines}
+        inputs: dict[Engine, list[Op]] = {e: [] for e in engines}
+        fast = engines[0].fast
         if fast is not None:  # the same, in C (see aruntime.engine.native.submit)
             fast.accesses(bufs, plan.accesses, ops, deps, inputs)
         for engine, i, write, uses in () if fast is not None else plan.accesses:
             b = bufs[i]
             b.log.access(b.offset, b.offset + b.nbytes, write, uses, ops[engine], engine, deps[engine], inputs[engine])
-        mine = set(ops.values())
-        for engine in plan.engines:
-            ops[engine].deps = [d for d in deps[engine] if d not in mine]  # ordered by the progress signals
+        mine = set(ops.values()) if len(engines) > 1 else ()  # an op is never among its own dependencies
+        for engine in engines:
+            op = ops[engine]
+            op.deps = [d for d in deps[engine] if d not in mine] if mine else deps[engine]  # the rest: by progress
             # outside producers from the hazard logs; this replay's parts from the plan: a failed part fails the
             # parts that consume what it should have written
-            outside = [d for d in inputs[engine] if d not in mine]
-            ops[engine].inputs = outside + [ops[f] for f in plan.feeds[engine]]
-            protect(outside, None)  # a replay is never skipped: a request it reads from is not either
+            outside = [d for d in inputs[engine] if d not in mine] if mine else inputs[engine]
+            if outside:
+                protect(outside, None)  # a replay is never skipped: a request it reads from is not either
+            op.inputs = outside + [ops[f] for f in plan.feeds[engine]] if mine else outside
         # all engines' parts go together, once every outside dependency is on its queue: their progress
         # waits on one another must never sit in front of an outside op they depend on
         parts = list(ops.values())

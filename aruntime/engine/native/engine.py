@@ -356,7 +356,7 @@ class NativeEngine(Engine):
 
     def _enqueue(self, cmds: list[Command], op: Op) -> None:
         fast = self.fast
-        if fast is not None and fast.enqueue(self, cmds, op):  # the same, in C (see submit.py)
+        if fast is not None and type(cmds) is not _Packed and fast.enqueue(self, cmds, op):  # the same, in C
             return
         inflight = self._inflight
         if len(inflight) >= RETIRE_EVERY and inflight[0][0].value <= self.signal.value:

@@ -1735,9 +1735,17 @@ static int put_copy(PyObject *body, PyObject *hole, PyObject *inputs, PyObject *
     goto out;
   }
   rc = -1;
-  cmd = out ? Py_BuildValue("(iOOKOO)", C_COPY, PyTuple_GET_ITEM(hole, 6), fn, (unsigned long long)address, handle, size)
-            : Py_BuildValue("(iOOOKO)", C_COPY, PyTuple_GET_ITEM(hole, 6), fn, handle, (unsigned long long)address, size);
-  if (!cmd || PyList_Append(keep, holder) || (out && PyDict_SetItem(results, host, data))) goto out;
+  PyObject *at_host = PyLong_FromUnsignedLongLong(address);
+  cmd = at_host ? PyTuple_New(6) : NULL;
+  if (!cmd) {
+    Py_XDECREF(at_host);
+    goto out;
+  }
+  PyObject *items[6] = {PyTuple_GET_ITEM(old, 0), PyTuple_GET_ITEM(hole, 6), fn, out ? at_host : handle,
+                        out ? handle : at_host, size}; /* (COPY, name, fn, dst, src, nbytes) */
+  for (int k = 0; k < 6; k++) PyTuple_SET_ITEM(cmd, k, k == 3 || k == 4 ? items[k] : Py_NewRef(items[k]));
+  Py_INCREF(handle); /* at_host's reference passes to the tuple */
+  if (PyList_Append(keep, holder) || (out && PyDict_SetItem(results, host, data))) goto out;
   PyList_SetItem(body, at, cmd); /* takes cmd, drops old */
   cmd = NULL;
   ar_cmd *rec = at < nrecs ? recs + at : NULL;
