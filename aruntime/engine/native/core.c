@@ -611,15 +611,26 @@ static void adapt_spin(_Atomic int64_t *spin_now, int64_t spin_ns, int64_t start
   atomic_store_explicit(spin_now, came - start <= spin_ns ? spin_ns : spin / 2, memory_order_relaxed);
 }
 
-/* A worker of its own: the next record of e's queue, once there is one (polling a while, then asleep). */
+static _Atomic int own_pollers;    /* workers of their own polling now */
+static _Atomic int own_poll_limit; /* how many may: the CPUs the process may use less one (at least one) */
+
+/* A worker of its own: the next record of e's queue, once there is one (polling a while, then asleep). It
+ * polls only while fewer workers of their own poll than own_poll_limit: many queues with threads of their own
+ * (many devices) never poll on every CPU at once. */
 static ar_cmd *next_cmd(ar_engine *e) {
   ar_cmd *cmd = head_cmd(e);
   if (cmd) return cmd;
   int64_t start = now_ns(), spin = atomic_load_explicit(&e->spin_now, memory_order_relaxed), until = start + spin;
+  int polling = spin && atomic_fetch_add(&own_pollers, 1) < atomic_load(&own_poll_limit);
+  if (spin && !polling) atomic_fetch_sub(&own_pollers, 1);
   while (!(cmd = head_cmd(e))) {
-    if (spin && now_ns() < until) { /* poll a while (a wake-up costs more), giving the CPU to any thread that wants it */
+    if (polling && now_ns() < until) { /* poll a while (a wake-up costs more), giving the CPU to any thread that wants it */
       sched_yield();
       continue;
+    }
+    if (polling) {
+      atomic_fetch_sub(&own_pollers, 1);
+      polling = 0;
     }
     pthread_mutex_lock(&e->lock);
     atomic_store(&e->sleeping, 1);
@@ -628,6 +639,7 @@ static ar_cmd *next_cmd(ar_engine *e) {
     atomic_store(&e->sleeping, 0);
     pthread_mutex_unlock(&e->lock);
   }
+  if (polling) atomic_fetch_sub(&own_pollers, 1);
   if (e->spin_ns) adapt_spin(&e->spin_now, e->spin_ns, start, cmd->t ? cmd->t : now_ns());
   return cmd;
 }
@@ -1018,6 +1030,7 @@ static void shared_after_fork(void) {
   atomic_store(&pool.ready, 0);
   atomic_store(&pool.looking, 0);
   atomic_store(&parked_queues, 0);
+  atomic_store(&own_pollers, 0); /* only the forking thread lives on */
   pool.sleeping = pool.watch_idle = 0;
   atomic_store(&pool.threads, 0);
   atomic_store(&pool.base, 0);
@@ -1059,6 +1072,11 @@ static int start_shared(int threads, int64_t spin_ns) {
  * such engine, polling as long). NULL if it could not start. */
 ar_engine *ar_engine_new(ar_sig *timeline, int64_t spin_ns, int workers) {
   if (workers > 0 && start_shared(workers, spin_ns)) return NULL;
+  if (!atomic_load(&own_poll_limit)) { /* from the thread that opens the first engine (not a pinned worker) */
+    cpu_set_t set;
+    int cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 2;
+    atomic_store(&own_poll_limit, cpus > 2 ? cpus - 1 : 1);
+  }
   ar_engine *e = NULL;
   if (posix_memalign((void **)&e, 64, sizeof(ar_engine)) != 0) return NULL;
   memset(e, 0, sizeof(*e));

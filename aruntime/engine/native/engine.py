@@ -77,8 +77,9 @@ and wakes in between, so polling pays across a whole round trip (10 µs on this 
 against 80-95 µs when the worker slept each time). It adapts: each time work comes back within this long of
 running out the next poll is this long again, each time it does not the poll halves (down to none), so a
 worker whose work comes in bursts polls and one fed now and then soon sleeps at once. A shared worker polls only
-while a CPU is left for the threads that submit (fewer other workers run than the CPUs less one); a process
-allowed a single CPU never polls: the CPU is the submitter's."""
+while a CPU is left for the threads that submit (fewer other workers run than the CPUs less one), and no more
+workers of their own poll at once than the CPUs less one (at least one: many devices never poll on every CPU); a
+process allowed a single CPU never polls: the CPU is the submitter's."""
 
 
 def allowed_cpus() -> int:
