@@ -1707,7 +1707,7 @@ static PyObject *accesses(PyObject *self, PyObject *const *args, Py_ssize_t narg
 /* One hole of put_copies (see there) put into `body`, patching `recs` (`nrecs` records, or none): 1, 0 where the
  * Python path must take it, -1 on error. */
 static int put_copy(PyObject *body, PyObject *hole, PyObject *inputs, PyObject *keep, PyObject *results, ar_cmd *recs,
-                    Py_ssize_t nrecs) {
+                    Py_ssize_t nrecs, PyObject **dev, PyObject **dev_fn) {
   if (!PyTuple_Check(hole) || PyTuple_GET_SIZE(hole) != 7) {
     PyErr_Format(PyExc_TypeError, "put_copies: hole %R is not (at, out, host, nbytes, handle, device, name)", hole);
     return -1;
@@ -1722,8 +1722,15 @@ static int put_copy(PyObject *body, PyObject *hole, PyObject *inputs, PyObject *
   PyObject *old = PyList_GET_ITEM(body, at);
   PyObject *data = PyDict_GetItemWithError(inputs, host); /* borrowed: the dict holds it */
   if (!data) return PyErr_Occurred() ? -1 : 0;
-  PyObject *fn = PyObject_GetAttr(PyTuple_GET_ITEM(hole, 5), s_copy_fn); /* the device's, now */
-  if (!fn) return -1;
+  PyObject *fn; /* the device's copy function, now: looked up once per device and call */
+  if (PyTuple_GET_ITEM(hole, 5) == *dev) {
+    fn = Py_NewRef(*dev_fn);
+  } else {
+    fn = PyObject_GetAttr(PyTuple_GET_ITEM(hole, 5), s_copy_fn);
+    if (!fn) return -1;
+    Py_XSETREF(*dev_fn, Py_NewRef(fn));
+    *dev = PyTuple_GET_ITEM(hole, 5); /* the holes hold it */
+  }
   PyObject *holder = NULL, *cmd = NULL;
   uint64_t address;
   Py_ssize_t nbytes;
@@ -1788,10 +1795,12 @@ static PyObject *put_copies(PyObject *self, PyObject *const *args, Py_ssize_t na
   }
   Py_ssize_t nrecs = words.buf ? words.len / (Py_ssize_t)sizeof(ar_cmd) : 0;
   int rc = 1;
+  PyObject *dev = NULL, *dev_fn = NULL;
   for (i = i < 0 ? 0 : i; i < PyList_GET_SIZE(holes); i++) {
-    rc = put_copy(body, PyList_GET_ITEM(holes, i), args[3], args[4], args[5], words.buf, nrecs);
+    rc = put_copy(body, PyList_GET_ITEM(holes, i), args[3], args[4], args[5], words.buf, nrecs, &dev, &dev_fn);
     if (rc <= 0) break;
   }
+  Py_XDECREF(dev_fn);
   if (words.buf) PyBuffer_Release(&words);
   Py_XDECREF(words_obj);
   return rc < 0 ? NULL : PyLong_FromSsize_t(i);
