@@ -156,13 +156,22 @@ out:
   return rc;
 }
 
-/* Op.done(): 1, 0, or -1 on error. A retired op of a native engine is read here; anything else asks Op.done. */
+static uint64_t *cell_address(PyObject *op);
+
+/* Op.done(): 1, 0, or -1 on error. A retired op of a native engine, and an op held (pending in the core or not)
+ * that is not handed on yet, are read here; anything else asks Op.done (which takes a pending op's value once the
+ * core has handed it on). */
 static int op_done(PyObject *op) {
   PyObject *engine = SLOT(op, S_ENGINE);
   if (engine == Py_None) return 0;
   uint64_t value = op_value(op);
   if (value == (uint64_t)-1 && PyErr_Occurred()) return -1;
-  if (value != g_held) {
+  if (value == g_held) {
+    if (SLOT(op, S_CELL) == Py_None) return 0; /* held off any queue */
+    uint64_t *cell = cell_address(op);
+    if (!cell) return -1;
+    if (!__atomic_load_n(cell, __ATOMIC_ACQUIRE)) return 0; /* pending in the core, not handed on yet */
+  } else {
     uint64_t reached;
     int r = signal_value(engine, &reached);
     if (r == -2) return -1;
