@@ -113,6 +113,7 @@ class _Plan:
     accesses: list[tuple[Engine, int, bool, bool]]  # (engine, buffer's index, writes, consumes), for hazard tracking
     feeds: dict[Engine, list[Engine]]  # for each engine, the other engines whose entries write what its entries read
     labels: dict[Engine, str]  # what each engine's part of a replay is named by
+    what: str  # what a replay's errors name
 
 
 def _owner(buf: Buffer, what: str) -> BaseDevice:
@@ -289,6 +290,7 @@ class Graph:
             accesses,
             feeds,
             labels,
+            f"{self!r} replay",
         )
 
     def _place(self, deps: list[tuple[int, ...]]) -> list[Engine]:
@@ -520,8 +522,7 @@ class Graph:
     ) -> list[Op]:
         engines = plan.engines
         for engine in engines:
-            if engine.closed:
-                engine.check_open(f"{self!r} replay")
+            engine.check_open(plan.what)
         name = f"Graph #{self.id} replay {run_index} "
         ops = {e: Op(name + plan.labels[e], (), keep) for e in engines}
         deps: dict[Engine, list[Op]] = {e: [] for e in engines}

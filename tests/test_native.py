@@ -284,9 +284,11 @@ async def test_a_worker_polls_only_while_work_comes_back_soon() -> None:
         await anyio.sleep(0.002)
     assert engine.spin_ns == 0
     ops = [dev.launch(prog) for _ in range(2_000)]  # appended microseconds apart: polling pays again
+    polled = 0
     for op in ops:
         await op
-    assert engine.spin_ns > 0
+        polled = max(polled, engine.spin_ns)  # (a loaded machine may halve it again by the end)
+    assert polled > 0
     await dev.aclose()
 
 

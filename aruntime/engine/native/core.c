@@ -1019,18 +1019,18 @@ static void *watchdog(void *arg) {
 }
 
 static int shared_started; /* start_shared has run (in this process) */
-static void shared_after_fork(void);
-static void register_after_fork(void) { pthread_atfork(NULL, NULL, shared_after_fork); }
+static void after_fork(void);
+static void register_after_fork(void) { pthread_atfork(NULL, NULL, after_fork); }
 
-/* In a child forked from a process with shared workers: it has none of them (nor their queues), so the next
- * shared engine starts its own. */
-static void shared_after_fork(void) {
+/* In a child forked from a process whose engines run: it has none of their workers (only the forking thread
+ * lives on), so the next shared engine starts its own, and no worker of its own polls yet. */
+static void after_fork(void) {
   pthread_mutex_init(&pool.lock, NULL);
   pool.head = pool.tail = pool.parked = NULL;
   atomic_store(&pool.ready, 0);
   atomic_store(&pool.looking, 0);
   atomic_store(&parked_queues, 0);
-  atomic_store(&own_pollers, 0); /* only the forking thread lives on */
+  atomic_store(&own_pollers, 0);
   pool.sleeping = pool.watch_idle = 0;
   atomic_store(&pool.threads, 0);
   atomic_store(&pool.base, 0);
@@ -1039,8 +1039,6 @@ static void shared_after_fork(void) {
 
 /* Start the shared workers (`threads` of them) unless they run already: 0, or -1 if none could start. */
 static int start_shared(int threads, int64_t spin_ns) {
-  static pthread_once_t at_fork = PTHREAD_ONCE_INIT;
-  pthread_once(&at_fork, register_after_fork);
   pthread_mutex_lock(&pool.lock);
   if (!shared_started) {
     shared_started = 1;
@@ -1071,6 +1069,8 @@ static int start_shared(int threads, int64_t spin_ns) {
  * spin_ns for work before it sleeps) or by the shared workers (`workers` > 0: as many are started with the first
  * such engine, polling as long). NULL if it could not start. */
 ar_engine *ar_engine_new(ar_sig *timeline, int64_t spin_ns, int workers) {
+  static pthread_once_t at_fork = PTHREAD_ONCE_INIT;
+  pthread_once(&at_fork, register_after_fork); /* a child forked later resets what its parent's threads counted */
   if (workers > 0 && start_shared(workers, spin_ns)) return NULL;
   if (!atomic_load(&own_poll_limit)) { /* from the thread that opens the first engine (not a pinned worker) */
     cpu_set_t set;

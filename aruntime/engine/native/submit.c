@@ -1725,8 +1725,9 @@ static int put_copy(PyObject *body, PyObject *hole, PyObject *inputs, PyObject *
   int out = PyTuple_GET_ITEM(hole, 1) == Py_True;
   PyObject *host = PyTuple_GET_ITEM(hole, 2), *size = PyTuple_GET_ITEM(hole, 3), *handle = PyTuple_GET_ITEM(hole, 4);
   Py_ssize_t want = PyLong_AsSsize_t(size);
+  if (want == -1 && PyErr_Occurred()) return -1;
   uint64_t h = PyLong_AsUnsignedLongLong(handle);
-  if (PyErr_Occurred()) return -1;
+  if (h == (uint64_t)-1 && PyErr_Occurred()) return -1;
   if (at < 0 || at >= PyList_GET_SIZE(body)) return 0;
   PyObject *old = PyList_GET_ITEM(body, at);
   PyObject *data = PyDict_GetItemWithError(inputs, host); /* borrowed: the dict holds it */
@@ -1796,7 +1797,10 @@ static PyObject *put_copies(PyObject *self, PyObject *const *args, Py_ssize_t na
   Py_ssize_t i = PyLong_AsSsize_t(args[2]);
   if (i == -1 && PyErr_Occurred()) return NULL;
   PyObject *words_obj = PyObject_GetAttrString(body, "words"); /* a native engine's Prepared has them */
-  if (!words_obj) PyErr_Clear();
+  if (!words_obj) {
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return NULL;
+    PyErr_Clear();
+  }
   Py_buffer words = {0};
   if (words_obj && words_obj != Py_None && PyObject_GetBuffer(words_obj, &words, PyBUF_WRITABLE)) {
     Py_DECREF(words_obj);
