@@ -799,8 +799,10 @@ static void push_ready(ar_engine *e) {
   else pool.head = e;
   pool.tail = e;
   atomic_store(&e->run_state, R_QUEUED);
-  atomic_fetch_add(&pool.ready, 1);
-  if (pool.sleeping) pthread_cond_signal(&pool.cond);
+  int ready = atomic_fetch_add(&pool.ready, 1) + 1;
+  /* a worker looking for work and not asleep takes a ready queue before it may sleep (it looks at the list under
+   * the lock held here): wake a sleeper only for the queues those cannot take (a wake-up costs the waker) */
+  if (pool.sleeping && ready > atomic_load(&pool.looking) - pool.sleeping) pthread_cond_signal(&pool.cond);
   else if (!atomic_load(&pool.looking) && pool.watch_idle) pthread_cond_signal(&pool.watch); /* all busy */
 }
 
