@@ -420,7 +420,8 @@ class Graph:
 
     @staticmethod
     def _holes(part: _Part, plan: _Plan, engine: Engine, commands: list[Command | None], handles: list[Any]) -> None:
-        """Fill in where ``part``'s commands (made by :meth:`_commands` without timestamps) change per replay."""
+        """Record in ``part`` which of its commands (made by :meth:`_commands` without timestamps) each replay
+        puts in anew: its Param launches, host copies and progress waits and signals."""
         steps = plan.steps[engine]
         progress = plan.progress[engine]
         at = 0
