@@ -73,7 +73,7 @@ SPIN_NS = 100_000
 """The longest a worker that ran out of commands polls for more before it sleeps. A wake-up costs the thread that
 wakes it: a few microseconds on a bare machine, 13-15 µs on a virtual machine whose other CPU sits idle (the
 event loop's thread pays it for every op it hands to a sleeping worker), and a loop that awaits an op sleeps
-and wakes in between, so polling pays across a whole round trip (10 µs on this project's 2-CPU virtual machines
+and wakes in between, so polling pays across a whole round trip (6-10 µs on this project's 2-CPU virtual machines
 against 80-95 µs when the worker slept each time). It adapts: each time work comes back within this long of
 running out the next poll is this long again, each time it does not the poll halves (down to none), so a
 worker whose work comes in bursts polls and one fed now and then soon sleeps at once. A shared worker polls only
