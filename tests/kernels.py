@@ -31,9 +31,17 @@ async def closed_gate(dev: BaseDevice) -> tuple[Program, Buffer]:
     return prog, flag
 
 
+async def gate_output(dev: BaseDevice) -> Buffer:
+    """A zeroed int32 buffer of ``dev`` for a GATE kernel's ``out``: a new buffer may reuse memory where an earlier
+    gate left its -1, and :func:`gate_started` would then not wait for this one to start."""
+    out = await dev.allocate(1, dtypes.int32)
+    await dev.copyin(out, array.array("i", [0]))
+    return out
+
+
 async def gate_started(out: Buffer) -> None:
-    """Wait until the GATE kernel writing ``out`` (a CPU device's buffer) has started: it then runs, and an op
-    behind it on its queue has not started."""
+    """Wait until the GATE kernel writing ``out`` (a CPU device's buffer, zeroed before the launch: see
+    :func:`gate_output`) has started: it then runs, and an op behind it on its queue has not started."""
     seen = ctypes.c_int32.from_address(out.handle)
     with anyio.fail_after(10):
         while seen.value != -1:  # noqa: ASYNC110  (a kernel writes it: there is no event to wait on)

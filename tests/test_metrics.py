@@ -39,6 +39,7 @@ async def test_queue_metrics_add_up_while_work_waits_and_runs() -> None:
     gate, flag = await closed_gate(dev)
     add = await dev.compile(ADD_ONE)
     async with dev.buffer(1, dtypes.int32) as out, dev.buffer(64) as buf:
+        await dev.copyin(out, bytes(4))  # no -1 left by an earlier gate (see gate_started)
         await dev.copyin(buf, bytes(64))
         before = dev.metrics()["compute"]
         running = dev.launch(gate, out, vals=(flag.handle, SPINS))
@@ -67,6 +68,7 @@ async def test_skipped_ops_are_counted() -> None:
     gate, flag = await closed_gate(dev)
     add = await dev.compile(ADD_ONE)
     async with dev.buffer(1, dtypes.int32) as out, dev.buffer(64) as buf, Scheduler() as sched:
+        await dev.copyin(out, bytes(4))  # no -1 left by an earlier gate (see gate_started)
         await dev.copyin(buf, bytes(64))
         dev.launch(gate, out, vals=(flag.handle, SPINS))
         await gate_started(out)

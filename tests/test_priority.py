@@ -15,7 +15,7 @@ from aruntime.device import BaseDevice
 from aruntime.engine import NativeEngine, ThreadEngine
 from aruntime.errors import DeviceError
 from aruntime.scheduler import Scheduler
-from tests.kernels import ADD_ONE, SPINS, closed_gate, gate_started
+from tests.kernels import ADD_ONE, SPINS, closed_gate, gate_output, gate_started
 from tests.test_scheduler_property import EXAMPLES, Case, check_through_scheduler, programs
 
 pytestmark = pytest.mark.anyio
@@ -59,7 +59,7 @@ async def test_high_priority_op_runs_past_a_busy_normal_queue() -> None:
     dev = Device["CPU:4"]
     gate, flag = await closed_gate(dev)
     add = await dev.compile(ADD_ONE)
-    out = await dev.allocate(1, dtypes.int32)
+    out = await gate_output(dev)
     bufs = [await dev.allocate(8) for _ in range(4)]
     for buf in bufs:
         await dev.copyin(buf, bytes(8))
@@ -86,7 +86,7 @@ async def test_queued_high_priority_ops_overtake_queued_normal_ones() -> None:
     high_gate = await dev.allocate(1, dtypes.int32)  # the high queue's gate flag
     await dev.copyin(high_gate, array.array("i", [0]))
     ticket, counter = await _tickets(dev)
-    outs = [await dev.allocate(1, dtypes.int32) for _ in range(8)]
+    outs = [await gate_output(dev) for _ in range(8)]
     with anyio.fail_after(20):
         normal_gate = dev.launch(gate, outs[0], vals=(flag.handle, SPINS))
         await gate_started(outs[0])
@@ -116,7 +116,7 @@ async def test_high_priority_op_waits_for_a_queued_normal_op_it_depends_on(hold:
     dev = Device["CPU:6"]
     gate, flag = await closed_gate(dev)
     add = await dev.compile(ADD_ONE)
-    out = await dev.allocate(1, dtypes.int32)
+    out = await gate_output(dev)
     shared, other = await dev.allocate(8), await dev.allocate(8)
     await dev.copyin(shared, bytes(8))
     await dev.copyin(other, bytes(8))

@@ -18,7 +18,7 @@ from aruntime import (
     SignalTimeout,
     dtypes,
 )
-from tests.kernels import ADD_ONE, SPINS, closed_gate, gate_started
+from tests.kernels import ADD_ONE, SPINS, closed_gate, gate_output, gate_started
 
 pytestmark = pytest.mark.anyio
 
@@ -28,7 +28,7 @@ async def _blocked(name: str) -> tuple[Any, Any, Any, Any]:
     dev = Device[name]
     gate, flag = await closed_gate(dev)
     add = await dev.compile(ADD_ONE)
-    out = await dev.allocate(1, dtypes.int32)
+    out = await gate_output(dev)
     dev.launch(gate, out, vals=(flag.handle, SPINS))
     await gate_started(out)
     return dev, flag, out, add
@@ -115,6 +115,7 @@ async def test_an_op_running_when_its_deadline_passes_finishes_and_is_done() -> 
     dev = Device["CPU:34"]
     gate, flag = await closed_gate(dev)
     async with dev.buffer(1, dtypes.int32) as out, Scheduler() as sched:
+        await dev.copyin(out, bytes(4))  # no -1 left by an earlier gate (see gate_started)
         with pytest.raises(DeadlineExceeded):
             async with sched.request(deadline=0.05):
                 running = sched.launch(gate, out, vals=(flag.handle, SPINS))

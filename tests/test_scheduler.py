@@ -20,7 +20,7 @@ from aruntime import (
     SchedulerFull,
     dtypes,
 )
-from tests.kernels import ADD_ONE, SCALE, SPINS, Failing, closed_gate, gate_started
+from tests.kernels import ADD_ONE, SCALE, SPINS, Failing, closed_gate, gate_output, gate_started
 
 pytestmark = pytest.mark.anyio
 
@@ -35,7 +35,7 @@ async def _window_case(dev_name: str) -> tuple[Any, Any, Program, Program, Buffe
     """A gated device, the ADD_ONE kernel, the gate's output and three zeroed 8-byte buffers."""
     dev, flag, gate = await _gate(dev_name)
     add = await dev.compile(ADD_ONE)
-    out = await dev.allocate(1, dtypes.int32)
+    out = await gate_output(dev)
     bufs = [await dev.allocate(8) for _ in range(3)]
     for b in bufs:
         dev.copyin(b, bytes(8))
@@ -125,7 +125,7 @@ async def test_failure_fails_dependents_spares_independents_and_raises_on_exit()
 async def test_cancelled_scope_drops_queued_ops_skips_those_not_started_and_waits_for_running() -> None:
     dev, flag, gate = await _gate("CPU:2")
     add = await dev.compile(ADD_ONE)
-    out = await dev.allocate(1, dtypes.int32)
+    out = await gate_output(dev)
     buf = await dev.allocate(16)
     await dev.copyin(buf, bytes(16))
     submitted: list[Any] = []
@@ -168,7 +168,7 @@ async def test_cancelled_scope_drops_queued_ops_skips_those_not_started_and_wait
 
 async def test_a_dropped_op_is_done_only_after_the_ops_it_waits_for() -> None:
     dev, flag, gate = await _gate("CPU:6")
-    out = await dev.allocate(1, dtypes.int32)
+    out = await gate_output(dev)
     with anyio.fail_after(10):
         with pytest.raises(RuntimeError, match="the pipeline failed"):
             async with Scheduler(window=1, drain_timeout=0.1) as sched:

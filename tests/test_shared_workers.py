@@ -15,7 +15,7 @@ import pytest
 from aruntime import Device, OpError, SignalTimeout, dtypes, transfer
 from aruntime.engine import NativeEngine
 from aruntime.engine.native.engine import allowed_cpus
-from tests.kernels import ADD_ONE, SPINS, closed_gate, gate_started
+from tests.kernels import ADD_ONE, SPINS, closed_gate, gate_output, gate_started
 
 pytestmark = pytest.mark.anyio
 
@@ -36,7 +36,7 @@ async def test_queues_held_by_long_kernels_do_not_starve_the_others() -> None:
     gates = []
     for dev in gated:
         gate, flag = await closed_gate(dev)
-        out = await dev.allocate(1, dtypes.int32)
+        out = await gate_output(dev)
         gates.append((dev.launch(gate, out, vals=(flag.handle, SPINS)), out, flag))
     for _, out, _ in gates:
         await gate_started(out)
