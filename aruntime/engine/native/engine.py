@@ -153,6 +153,17 @@ def _wait_record(cmd: Command, flags: int, index: int, op_id: int = 0) -> bytes:
     return _RECORD.pack(K_WAIT, flags, sig.ptr, cmd[2], int(sig.timeout * 1e9), 0, 0, op_id, 0, index)
 
 
+def _signal_record(cmd: Command, flags: int, index: int, op_id: int = 0) -> bytes:
+    """The ring record of the SIGNAL command ``cmd`` (command ``index`` of op ``op_id``)."""
+    return _RECORD.pack(K_SIGNAL, flags, cmd[1].ptr, cmd[2], 0, 0, 0, op_id, 0, index)
+
+
+def _check_record(pairs: bytes, op_id: int, index: int, gate: int) -> bytes:
+    """The ring record that checks the inputs of op ``op_id`` named by ``pairs`` (see
+    :meth:`NativeEngine._check_pairs`) before its command ``index``, carrying its ``gate``."""
+    return _RECORD.pack(K_CHECK, 0, bytes_address(pairs), len(pairs) // 16, 0, gate, 0, op_id, 0, index | CHECK_BIT)
+
+
 def _as_run(cmd: Command, kind: int) -> Command:
     """What an op keeps of a kernel or copy command the core runs by itself (``kind``): the command with its
     function replaced by the entry's address (a kernel: its packed arguments stay) or None (a copy). Its parts
@@ -416,7 +427,7 @@ class NativeEngine(Engine):
                 records.append(_wait_record(cmd, flags, i))
                 check = True
             elif kind == SIGNAL:
-                records.append(_RECORD.pack(K_SIGNAL, flags, cmd[1].ptr, cmd[2], 0, 0, 0, 0, 0, i))
+                records.append(_signal_record(cmd, flags, i))
             elif kind in (EXEC, COPY) and (work := _work_kind(cmd)) != K_PY:
                 records.append(_work_record(cmd, work, flags, 0, i, 0))
                 if check:
@@ -447,8 +458,7 @@ class NativeEngine(Engine):
                 if pairs is None:
                     return run, 1, None
                 self._python_runs(op)  # the cells the pairs name are kept alive by the inputs' ops
-                address, count = bytes_address(pairs), len(pairs) // 16
-                return _RECORD.pack(K_CHECK, 0, address, count, 0, gate, 0, op_id, 0, CHECK_BIT) + run, 2, (pairs,)
+                return _check_record(pairs, op_id, 0, gate) + run, 2, (pairs,)
         pack = _RECORD.pack
         keep: list[Any] | None = None
         last = len(cmds) - 1
@@ -464,7 +474,7 @@ class NativeEngine(Engine):
                 checked = not op.inputs
                 continue
             if kind == SIGNAL:
-                add(pack(K_SIGNAL, flags, cmd[1].ptr, cmd[2], 0, 0, 0, op_id, 0, i))
+                add(_signal_record(cmd, flags, i, op_id))
                 continue
             if kind == TIMESTAMP:
                 slot = array("q", [0])
@@ -481,7 +491,7 @@ class NativeEngine(Engine):
                     keep = keep or []
                     keep.append(pairs)
                     self._python_runs(op)
-                    add(pack(K_CHECK, 0, bytes_address(pairs), len(pairs) // 16, 0, gate, 0, op_id, 0, i | CHECK_BIT))
+                    add(_check_record(pairs, op_id, i, gate))
                     gate = 0
             work = _work_kind(cmd)
             if work == K_PY:
@@ -499,11 +509,10 @@ class NativeEngine(Engine):
         if pairs is None:
             return words.tobytes(), count, None
         self._python_runs(op)  # the cells the pairs name are kept alive by the inputs' ops
-        address, n = bytes_address(pairs), len(pairs) // 16
         parts, at = [], 0
         for i in cmds.checks:
             parts.append(words[at * _WORDS : i * _WORDS].tobytes())
-            parts.append(_RECORD.pack(K_CHECK, 0, address, n, 0, 0, 0, op.id, 0, i | CHECK_BIT))
+            parts.append(_check_record(pairs, op.id, i, 0))
             at = i
         parts.append(words[at * _WORDS :].tobytes())
         return b"".join(parts), count + len(cmds.checks), (pairs,)
