@@ -36,8 +36,8 @@ def transfer_device(src: BaseDevice, dst: BaseDevice) -> BaseDevice:
 
 def transfer(dst: Buffer, src: Buffer, hold: bool = False, window: Window | None = None, priority: int = 0) -> Op:
     """Copy ``src`` into ``dst``, a buffer of another device (or the same), on the copy queue of the device
-    :func:`transfer_device` picks (the source's, between host-memory devices); ``await`` the op for the copy to
-    be done.
+    :func:`transfer_device` picks (the source's between host-memory devices, the destination's out of a file);
+    ``await`` the op for the copy to be done.
 
     Both must be allocated and of the same size; the destination device's later
     work on ``dst`` waits for it. ``hold``, ``window``, ``priority``: see :meth:`BaseDevice.copyin`.
