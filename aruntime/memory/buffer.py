@@ -106,6 +106,25 @@ class Buffer:
     offsets added, and are bounds-checked against it.
     """
 
+    __slots__ = (
+        "__weakref__",
+        "_after_loans",
+        "_base",
+        "_freed",
+        "_generation",
+        "_handle",
+        "_keep",
+        "_loans",
+        "_owner",
+        "device",
+        "dtype",
+        "log",
+        "nbytes",
+        "offset",
+        "size",
+        "spec",
+    )  # slots: the native submission path reads them where they lie
+
     def __init__(
         self,
         device: str,

@@ -70,6 +70,52 @@ static Py_ssize_t g_off[N_SLOTS];
 
 #define SLOT(op, s) (*(PyObject **)((char *)(op) + g_off[s]))
 
+/* offsets of the Buffer's slots and of the AccessLog's entries: read where they lie for objects of those types */
+enum { B_BASE, B_DEVICE, B_DTYPE, B_GENERATION, B_HANDLE, B_LOG, B_NBYTES, B_OFFSET, B_OWNER, N_BUFFER_SLOTS };
+static const char *buffer_slot_names[N_BUFFER_SLOTS] = {"_base",  "device", "dtype",  "_generation", "_handle",
+                                                        "log",    "nbytes", "offset", "_owner"};
+static Py_ssize_t g_buffer_off[N_BUFFER_SLOTS];
+static const char *log_slot_names[1] = {"entries"};
+static Py_ssize_t g_entries_off;
+static PyTypeObject *g_log_type;
+
+/* The offsets of the slots `names` of `type` into `offs`: 0, or -1 with a TypeError naming one that is not a slot. */
+static int slot_offsets(PyObject *type, const char *const *names, Py_ssize_t *offs, int n) {
+  for (int s = 0; s < n; s++) {
+    PyObject *d = PyObject_GetAttrString(type, names[s]);
+    if (!d) return -1;
+    int ok = Py_IS_TYPE(d, &PyMemberDescr_Type) && ((PyMemberDescrObject *)d)->d_member->type == T_OBJECT_EX;
+    if (ok) offs[s] = ((PyMemberDescrObject *)d)->d_member->offset;
+    Py_DECREF(d);
+    if (!ok) {
+      PyErr_Format(PyExc_TypeError, "init: %s.%s is not a slot", ((PyTypeObject *)type)->tp_name, names[s]);
+      return -1;
+    }
+  }
+  return 0;
+}
+
+/* `o`'s slot at `off` (a new reference) where `o` is of `type` and the slot is set; else getattr(o, name). */
+static PyObject *slot_get(PyObject *o, PyTypeObject *type, Py_ssize_t off, PyObject *name) {
+  if (Py_TYPE(o) == type) {
+    PyObject *v = *(PyObject **)((char *)o + off);
+    if (v) return Py_NewRef(v);
+  }
+  return PyObject_GetAttr(o, name);
+}
+
+#define BUF_GET(buf, s, name) slot_get((buf), g_buffer_type, g_buffer_off[s], (name))
+#define LOG_ENTRIES(log) slot_get((log), g_log_type, g_entries_off, s_entries)
+
+static PyObject *s_entries;
+
+/* log.entries = entries: 0, or -1 on error. */
+static int log_set_entries(PyObject *log, PyObject *entries) {
+  if (Py_TYPE(log) != g_log_type) return PyObject_SetAttr(log, s_entries, entries);
+  Py_XSETREF(*(PyObject **)((char *)log + g_entries_off), Py_NewRef(entries));
+  return 0;
+}
+
 /* Whether `o` is an Op (whose slots SLOT reads); else a TypeError naming `what`. */
 static int is_op(PyObject *o, const char *what) {
   if (PyObject_TypeCheck(o, g_op_type)) return 1;
@@ -91,7 +137,7 @@ static void set_slot(PyObject *op, int s, PyObject *value) {
   Py_XDECREF(old);
 }
 
-static PyObject *s_log, *s_offset, *s_nbytes, *s_entries, *s_signal, *s_ptr, *s_timeout, *s_closed, *s_lock,
+static PyObject *s_log, *s_offset, *s_nbytes, *s_signal, *s_ptr, *s_timeout, *s_closed, *s_lock,
     *s_inflight, *s_done, *s_dispatched, *s_address, *s_python, *s_thread, *s_python_runs,
     *s_check_open, *s_acquire, *s_release, *s_append, *s_failures_seen, *s_failed, *s_state, *s_open,
     *s_enabled, *s_device, *s_plan, *s_outs, *s_name, *s_compute, *s_copy, *s_base, *s_handle, *s_generation,
@@ -198,10 +244,10 @@ static int contains(PyObject *list, PyObject *item) {
 /* AccessLog.access (memory/hazards.py) of all of `buf`, the same rules: -1 on error. */
 static int log_access(PyObject *buf, int write, int consumes, PyObject *op, PyObject *engine, PyObject *deps,
                       PyObject *inputs) {
-  PyObject *log = PyObject_GetAttr(buf, s_log);
+  PyObject *log = BUF_GET(buf, B_LOG, s_log);
   if (!log) return -1;
-  PyObject *off = PyObject_GetAttr(buf, s_offset), *size = off ? PyObject_GetAttr(buf, s_nbytes) : NULL;
-  PyObject *entries = size ? PyObject_GetAttr(log, s_entries) : NULL;
+  PyObject *off = BUF_GET(buf, B_OFFSET, s_offset), *size = off ? BUF_GET(buf, B_NBYTES, s_nbytes) : NULL;
+  PyObject *entries = size ? LOG_ENTRIES(log) : NULL;
   PyObject *live = NULL, *end_obj = NULL, *mine = NULL;
   int rc = -1;
   if (!entries) goto out;
@@ -247,7 +293,7 @@ static int log_access(PyObject *buf, int write, int consumes, PyObject *op, PyOb
   }
   end_obj = PyLong_FromLongLong(end);
   mine = end_obj ? PyTuple_Pack(4, off, end_obj, write ? Py_True : Py_False, op) : NULL;
-  if (!mine || PyList_Append(live, mine) || PyObject_SetAttr(log, s_entries, live)) goto out;
+  if (!mine || PyList_Append(live, mine) || log_set_entries(log, live)) goto out;
   rc = 0;
 out:
   Py_XDECREF(mine);
@@ -1225,23 +1271,23 @@ static int same(PyObject *a, PyObject *b) { /* a == b for str or int objects tha
 static int buffer_handle(PyObject *dev, PyObject *devname, PyObject *buf, PyObject **handle) {
   *handle = NULL;
   if (Py_TYPE(buf) != g_buffer_type) return 0;
-  PyObject *device = PyObject_GetAttr(buf, s_device), *base = NULL, *owner = NULL;
+  PyObject *device = BUF_GET(buf, B_DEVICE, s_device), *base = NULL, *owner = NULL;
   int rc = -1;
   if (!device) return -1;
   if (!same(device, devname)) {
     rc = 0;
     goto out;
   }
-  base = PyObject_GetAttr(buf, s_base);
-  *handle = base ? PyObject_GetAttr(buf, s_handle) : NULL;
+  base = BUF_GET(buf, B_BASE, s_base);
+  *handle = base ? BUF_GET(buf, B_HANDLE, s_handle) : NULL;
   if (!*handle) goto out;
   rc = 0;
   if (*handle == Py_None) goto out;
   PyObject *root = base == Py_None ? buf : base;
   if (root != buf) { /* a view: of the root's present allocation */
-    PyObject *root_handle = PyObject_GetAttr(root, s_handle);
-    PyObject *g = root_handle ? PyObject_GetAttr(buf, s_generation) : NULL;
-    PyObject *rg = g ? PyObject_GetAttr(root, s_generation) : NULL;
+    PyObject *root_handle = BUF_GET(root, B_HANDLE, s_handle);
+    PyObject *g = root_handle ? BUF_GET(buf, B_GENERATION, s_generation) : NULL;
+    PyObject *rg = g ? BUF_GET(root, B_GENERATION, s_generation) : NULL;
     int ok = rg && root_handle != Py_None && same(g, rg);
     Py_XDECREF(rg);
     Py_XDECREF(g);
@@ -1249,7 +1295,7 @@ static int buffer_handle(PyObject *dev, PyObject *devname, PyObject *buf, PyObje
     if (PyErr_Occurred()) rc = -1;
     if (!ok) goto out;
   }
-  owner = PyObject_GetAttr(root, s_owner);
+  owner = BUF_GET(root, B_OWNER, s_owner);
   if (!owner) {
     rc = -1;
     goto out;
@@ -1447,10 +1493,10 @@ static int pin_plain(PyObject *data, int writable, PyObject **holder, uint64_t *
 
 /* AccessLog.conflicts_on: whether an access to `buf` would wait for an unfinished op of `engine`. 1, 0, -1. */
 static int conflicts_on(PyObject *buf, PyObject *engine, int write) {
-  PyObject *log = PyObject_GetAttr(buf, s_log);
-  PyObject *entries = log ? PyObject_GetAttr(log, s_entries) : NULL;
-  PyObject *off = entries ? PyObject_GetAttr(buf, s_offset) : NULL;
-  PyObject *size = off ? PyObject_GetAttr(buf, s_nbytes) : NULL;
+  PyObject *log = BUF_GET(buf, B_LOG, s_log);
+  PyObject *entries = log ? LOG_ENTRIES(log) : NULL;
+  PyObject *off = entries ? BUF_GET(buf, B_OFFSET, s_offset) : NULL;
+  PyObject *size = off ? BUF_GET(buf, B_NBYTES, s_nbytes) : NULL;
   int rc = -1;
   if (!size) goto out;
   if (!PyList_Check(entries)) {
@@ -1505,14 +1551,14 @@ static PyObject *copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   if (!devname) return NULL;
   int ok = buffer_handle(dev, devname, buf, &handle);
   if (ok <= 0) goto checked;
-  size = PyObject_GetAttr(buf, s_nbytes);
+  size = BUF_GET(buf, B_NBYTES, s_nbytes);
   Py_ssize_t want = size ? PyLong_AsSsize_t(size) : -1;
   if (want < 0) {
     ok = -1;
     goto checked;
   }
   if (out_copy && into == Py_None) { /* typed(zeroed(nbytes), buf.dtype), as copyout makes it */
-    PyObject *dtype = PyObject_GetAttr(buf, s_dtype);
+    PyObject *dtype = BUF_GET(buf, B_DTYPE, s_dtype);
     PyObject *fresh = dtype ? PyObject_CallOneArg(g_zeroed, size) : NULL;
     dest = fresh ? PyObject_CallFunctionObjArgs(g_typed, fresh, dtype, NULL) : NULL;
     Py_XDECREF(fresh);
@@ -1612,12 +1658,12 @@ static PyObject *state(PyObject *self, PyObject *args) {
 static PyObject *init(PyObject *self, PyObject *args) {
   (void)self;
   PyObject *op_type, *native_type, *entry_type, *nothing, *native_copies, *op_ids, *protect, *wait_kind;
-  PyObject *buffer_type, *recorder, *dispatch, *zeroed, *typed, *new_cells, *name_id, *record_deps_fn;
+  PyObject *buffer_type, *log_type, *recorder, *dispatch, *zeroed, *typed, *new_cells, *name_id, *record_deps_fn;
   unsigned long long submit_address, held, abandoned, pend_new, pend_on_sig, pend_on_pend, pend_go;
   Py_ssize_t cells;
-  if (!PyArg_ParseTuple(args, "KKKKKKKnOOOOOOOOOOOOOOOO", &submit_address, &pend_new, &pend_on_sig, &pend_on_pend,
+  if (!PyArg_ParseTuple(args, "KKKKKKKnOOOOOOOOOOOOOOOOO", &submit_address, &pend_new, &pend_on_sig, &pend_on_pend,
                         &pend_go, &held, &abandoned, &cells, &op_type, &native_type, &entry_type, &nothing,
-                        &native_copies, &op_ids, &protect, &wait_kind, &buffer_type, &recorder, &dispatch, &zeroed,
+                        &native_copies, &op_ids, &protect, &wait_kind, &buffer_type, &log_type, &recorder, &dispatch, &zeroed,
                         &typed, &new_cells, &name_id, &record_deps_fn))
     return NULL;
   if (!PyCallable_Check(name_id) || !PyCallable_Check(record_deps_fn)) {
@@ -1637,21 +1683,14 @@ static PyObject *init(PyObject *self, PyObject *args) {
   g_cells = cells;
   g_new_cells = Py_NewRef(new_cells);
   if (!PyType_Check(op_type) || !PyType_Check(native_type) || !PyType_Check(entry_type) || !PyDict_Check(nothing) ||
-      !PyDict_Check(native_copies) || !PyType_Check(buffer_type) || !submit_address) {
+      !PyDict_Check(native_copies) || !PyType_Check(buffer_type) || !PyType_Check(log_type) || !submit_address) {
     PyErr_SetString(PyExc_TypeError, "init: types, dicts and the address of ar_submit expected");
     return NULL;
   }
-  for (int s = 0; s < N_SLOTS; s++) {
-    PyObject *d = PyObject_GetAttrString(op_type, slot_names[s]);
-    if (!d) return NULL;
-    int ok = Py_IS_TYPE(d, &PyMemberDescr_Type) && ((PyMemberDescrObject *)d)->d_member->type == T_OBJECT_EX;
-    if (ok) g_off[s] = ((PyMemberDescrObject *)d)->d_member->offset;
-    Py_DECREF(d);
-    if (!ok) {
-      PyErr_Format(PyExc_TypeError, "init: Op.%s is not a slot", slot_names[s]);
-      return NULL;
-    }
-  }
+  if (slot_offsets(op_type, slot_names, g_off, N_SLOTS) ||
+      slot_offsets(buffer_type, buffer_slot_names, g_buffer_off, N_BUFFER_SLOTS) ||
+      slot_offsets(log_type, log_slot_names, &g_entries_off, 1))
+    return NULL;
   g_submit = (submit_fn)(uintptr_t)submit_address;
   g_held = held;
   g_abandoned = abandoned;
@@ -1664,6 +1703,7 @@ static PyObject *init(PyObject *self, PyObject *args) {
   g_protect = Py_NewRef(protect);
   g_wait_kind = Py_NewRef(wait_kind);
   g_buffer_type = (PyTypeObject *)Py_NewRef(buffer_type);
+  g_log_type = (PyTypeObject *)Py_NewRef(log_type);
   g_recorder = Py_NewRef(recorder);
   g_dispatch = Py_NewRef(dispatch);
   g_zeroed = Py_NewRef(zeroed);
@@ -1837,8 +1877,8 @@ static PyMethodDef methods[] = {
      "state(signal address, core engine address, failures address): a native engine's `_fast_state`"},
     {"init", init, METH_VARARGS,
      "init(the addresses of ar_submit, ar_pend_new, ar_pend_on_sig, ar_pend_on_pend and ar_pend_go, HELD, ABANDONED, "
-     "CELLS, Op, NativeEngine, Entry, nothing, copies, ids, protect, WAIT, Buffer, recorder, dispatch_when_ready, "
-     "zeroed, typed, new_cells)"},
+     "CELLS, Op, NativeEngine, Entry, nothing, copies, ids, protect, WAIT, Buffer, AccessLog, recorder, "
+     "dispatch_when_ready, zeroed, typed, new_cells, name_id, record_deps)"},
     {NULL, NULL, 0, NULL},
 };
 
