@@ -274,6 +274,7 @@ class NativeRangeLog(RangeLog):
 class NativeEngine(Engine):
     """An engine whose commands run on a native worker thread (see the module docstring)."""
 
+    __slots__ = ("_fast_state",)  # a slot: the native submission path reads it where it lies
     assigns_values = True  # the core numbers ops: it also hands on pending ops itself
     pends = True
     reads_gates = True
@@ -334,7 +335,20 @@ class NativeEngine(Engine):
         self.signal.retire = self.retire
         self.fast = fast
         failures = eng + lib.ar_engine_field(1)
-        self._fast_state = None if self.fast is None else self.fast.state(self.signal.ptr, eng, failures)
+        self._fast_state = (
+            None
+            if fast is None
+            else fast.state(
+                self.signal.ptr,
+                eng,
+                failures,
+                self._lock,
+                self._retire_lock,
+                self._inflight,
+                self._python,
+                self._failed,
+            )
+        )
 
     @property
     def spin_ns(self) -> int:

@@ -147,22 +147,66 @@ static PyObject *s_log, *s_offset, *s_nbytes, *s_signal, *s_ptr, *s_timeout, *s_
 /* ---- engines: what never changes while a native engine lives, in a capsule it holds (its `_fast_state`) ---- */
 
 typedef struct {
-  uint64_t *signal;   /* its signal's value */
-  void *core;         /* the core's engine */
-  uint64_t *failures; /* the count of failures the core logged */
+  uint64_t *signal;            /* its signal's value */
+  void *core;                  /* the core's engine */
+  uint64_t *failures;          /* the count of failures the core logged */
+  PyObject *acquire, *release; /* its submission lock's methods */
+  PyObject *retire_acquire, *retire_release; /* its retire lock's */
+  PyObject *inflight, *append, *popleft;     /* its `_inflight` deque and two of its methods */
+  PyObject *python;            /* its `_python` dict */
+  PyObject *failed;            /* its `_failed` dict */
 } engine_state;
 
 #define STATE_NAME "aruntime.engine.native.submit.state"
+#define STATE_OBJECTS 9 /* the objects it holds, from `acquire` on */
 
-static void free_state(PyObject *capsule) { PyMem_Free(PyCapsule_GetPointer(capsule, STATE_NAME)); }
+static PyObject **state_objects(engine_state *st) { return &st->acquire; }
+
+static void free_state(PyObject *capsule) {
+  engine_state *st = PyCapsule_GetPointer(capsule, STATE_NAME);
+  for (int i = 0; i < STATE_OBJECTS; i++) Py_XDECREF(state_objects(st)[i]);
+  PyMem_Free(st);
+}
+
+static const char *state_slot_names[1] = {"_fast_state"};
+static Py_ssize_t g_state_off; /* the offset of NativeEngine's `_fast_state` slot */
 
 /* A native engine's state; NULL with an error set where it has none. */
 static engine_state *state_of(PyObject *engine) {
-  PyObject *capsule = PyObject_GetAttr(engine, s_fast_state);
+  PyObject *capsule = slot_get(engine, g_native_type, g_state_off, s_fast_state);
   if (!capsule) return NULL;
   engine_state *st = PyCapsule_GetPointer(capsule, STATE_NAME); /* alive while the engine holds it */
   Py_DECREF(capsule);
   return st;
+}
+
+/* Call `fn` with no arguments, keeping an error already set: `rc`, or -1 if the call failed. */
+static int call_keeping_error(PyObject *fn, int rc) {
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
+  PyObject *r = PyObject_CallNoArgs(fn);
+  if (!r) {
+    rc = -1;
+    if (type) PyErr_Clear(); /* the first error is the one to raise */
+  }
+  Py_XDECREF(r);
+  if (type) PyErr_Restore(type, value, traceback);
+  return rc;
+}
+
+/* Take native `engine`'s submission lock (`retire`: its retire lock), a threading.Lock that waits with the GIL
+ * released: 0, or -1. */
+static int engine_take(PyObject *engine, int retire) {
+  engine_state *st = state_of(engine);
+  PyObject *r = st ? PyObject_CallNoArgs(retire ? st->retire_acquire : st->acquire) : NULL;
+  Py_XDECREF(r);
+  return r ? 0 : -1;
+}
+
+/* Let go of the lock engine_take took, keeping an error already set: `rc`, or -1 if it could not be let go. */
+static int engine_give(PyObject *engine, int retire, int rc) {
+  engine_state *st = state_of(engine); /* found by engine_take */
+  return call_keeping_error(retire ? st->retire_release : st->release, rc);
 }
 
 /* ---- ops --------------------------------------------------------------------------------------------- */
@@ -190,7 +234,7 @@ static int failures_settled(PyObject *engine) {
   if (!st) return -1;
   uint64_t count = __atomic_load_n(st->failures, __ATOMIC_ACQUIRE);
   seen = PyObject_GetAttr(engine, s_failures_seen);
-  failed = seen ? PyObject_GetAttr(engine, s_failed) : NULL;
+  failed = seen ? Py_NewRef(st->failed) : NULL;
   if (!failed) goto out;
   unsigned long long n = PyLong_AsUnsignedLongLong(seen);
   if (PyErr_Occurred()) goto out;
@@ -375,27 +419,23 @@ static int work_record(PyObject *cmd, ar_cmd *rec) {
 }
 
 
-/* Call `method` (acquire or release) of the lock that is `owner`'s attribute `name`: 0, or -1. */
-static int lock_call(PyObject *owner, PyObject *name, PyObject *method) {
+/* Take the lock `owner`.`name` (a threading.Lock: it waits with the GIL released): 0, or -1. */
+static int lock_take(PyObject *owner, PyObject *name) {
   PyObject *lock = PyObject_GetAttr(owner, name);
-  PyObject *r = lock ? PyObject_CallMethodNoArgs(lock, method) : NULL;
+  PyObject *r = lock ? PyObject_CallMethodNoArgs(lock, s_acquire) : NULL;
   Py_XDECREF(lock);
   Py_XDECREF(r);
   return r ? 0 : -1;
 }
 
-/* Take the lock `owner`.`name` (a threading.Lock: it waits with the GIL released): 0, or -1. */
-static int lock_take(PyObject *owner, PyObject *name) { return lock_call(owner, name, s_acquire); }
-
 /* Let go of the lock `owner`.`name`, keeping an error already set: `rc`, or -1 if it could not be let go. */
 static int lock_give(PyObject *owner, PyObject *name, int rc) {
-  PyObject *type, *value, *traceback;
-  PyErr_Fetch(&type, &value, &traceback);
-  if (lock_call(owner, name, s_release)) {
-    rc = -1;
-    if (type) PyErr_Clear(); /* the first error is the one to raise */
-  }
-  if (type) PyErr_Restore(type, value, traceback);
+  PyObject *lock = PyObject_GetAttr(owner, name);
+  PyObject *release = lock ? PyObject_GetAttr(lock, s_release) : NULL;
+  Py_XDECREF(lock);
+  if (!release) return -1; /* not reached: a lock that was taken has a release */
+  rc = call_keeping_error(release, rc);
+  Py_DECREF(release);
   return rc;
 }
 
@@ -518,18 +558,10 @@ out:
 static int retire_plain(PyObject *engine, uint64_t reached) {
   int settled = failures_settled(engine);
   if (settled <= 0) return settled;
-  PyObject *python = PyObject_GetAttr(engine, s_python);
-  if (!python) return -1;
-  if (!PyDict_Check(python)) {
-    Py_DECREF(python);
-    return 0;
-  }
-  if (lock_take(engine, s_retire_lock)) {
-    Py_DECREF(python);
-    return -1;
-  }
-  PyObject *empty = PyTuple_New(0), *inflight = empty ? PyObject_GetAttr(engine, s_inflight) : NULL;
-  int rc = inflight ? 1 : -1;
+  engine_state *st = state_of(engine);
+  if (!st || engine_take(engine, 1)) return -1;
+  PyObject *python = st->python, *inflight = st->inflight, *empty = PyTuple_New(0);
+  int rc = empty ? 1 : -1;
   while (rc == 1) {
     Py_ssize_t n = PyObject_Length(inflight);
     if (n <= 0) {
@@ -545,7 +577,7 @@ static int retire_plain(PyObject *engine, uint64_t reached) {
     PyObject *op = PyTuple_GET_ITEM(head, 0);
     int mine = op_value(op) <= reached, stamps = mine && takes_timestamps(PyTuple_GET_ITEM(head, 1));
     if (mine && !stamps) {
-      PyObject *popped = PyObject_CallMethodNoArgs(inflight, s_popleft);
+      PyObject *popped = PyObject_CallNoArgs(st->popleft);
       if (!popped || clear_op(op, empty, python)) rc = -1;
       Py_XDECREF(popped);
     }
@@ -554,10 +586,8 @@ static int retire_plain(PyObject *engine, uint64_t reached) {
     if (!mine) break;
   }
   if (rc == 1) rc = retire_pended(engine, reached, empty, python);
-  rc = lock_give(engine, s_retire_lock, rc);
-  Py_XDECREF(inflight);
+  rc = engine_give(engine, 1, rc);
   Py_XDECREF(empty);
-  Py_DECREF(python);
   return rc;
 }
 
@@ -720,9 +750,8 @@ static int build_records(PyObject *engine, PyObject *op, PyObject *cmds, uint64_
     rec->b = (uint64_t)(PyBytes_GET_SIZE(pairs) / 16);
     rec->op = id;
     rec->index = index | CHECK_BIT;
-    PyObject *python = PyObject_GetAttr(engine, s_python);
-    int failed = !python || PyDict_SetItem(python, SLOT(op, S_ID), op);
-    Py_XDECREF(python);
+    engine_state *st = state_of(engine);
+    int failed = !st || PyDict_SetItem(st->python, SLOT(op, S_ID), op);
     PyObject *thread = failed ? NULL : PyObject_GetAttr(engine, s_thread);
     if (thread && thread == Py_None) {
       PyObject *r = PyObject_CallMethodOneArg(engine, s_python_runs, op);
@@ -771,9 +800,8 @@ static int build_records(PyObject *engine, PyObject *op, PyObject *cmds, uint64_
 static void unregister(PyObject *engine, PyObject *op) {
   PyObject *type, *value, *traceback;
   PyErr_Fetch(&type, &value, &traceback);
-  PyObject *python = PyObject_GetAttr(engine, s_python);
-  if (python && PyDict_Check(python) && PyDict_DelItem(python, SLOT(op, S_ID))) PyErr_Clear();
-  Py_XDECREF(python);
+  engine_state *st = state_of(engine);
+  if (st && PyDict_DelItem(st->python, SLOT(op, S_ID))) PyErr_Clear();
   PyErr_Clear();
   PyErr_Restore(type, value, traceback);
 }
@@ -790,7 +818,8 @@ static int append_records(PyObject *engine, PyObject *op, PyObject *cmds, PyObje
   PyObject *keep, *kept;
   int ok = build_records(engine, op, cmds, gate, recs, &nrec, &keep, &kept);
   if (ok <= 0) return ok;
-  PyObject *item = NULL, *inflight = PyObject_GetAttr(engine, s_inflight);
+  engine_state *st = state_of(engine);
+  PyObject *item = NULL, *inflight = st ? st->inflight : NULL;
   int rc = -1;
   if (!inflight) goto out;
   Py_ssize_t queued = PyObject_Length(inflight);
@@ -808,8 +837,7 @@ static int append_records(PyObject *engine, PyObject *op, PyObject *cmds, PyObje
   set_slot(op, S_CMDS, kept);
   if (deps && PyList_GET_SIZE(deps)) set_slot(op, S_DEPS, deps);
   if (flows) record_deps(op, flows); /* before it can run, as Python records them */
-  engine_state *st = state_of(engine);
-  uint64_t value = st ? g_submit(st->core, recs, (uint32_t)nrec) : 0;
+  uint64_t value = g_submit(st->core, recs, (uint32_t)nrec);
   if (!value) {
     if (!PyErr_Occurred())
       PyErr_Format(PyExc_MemoryError, "%U: no memory for the commands of its queue", SLOT(op, S_NAME));
@@ -820,13 +848,12 @@ static int append_records(PyObject *engine, PyObject *op, PyObject *cmds, PyObje
   set_slot(op, S_VALUE, v);
   Py_DECREF(v);
   item = PyTuple_Pack(2, op, keep);
-  PyObject *appended = item ? PyObject_CallMethodOneArg(inflight, s_append, item) : NULL;
+  PyObject *appended = item ? PyObject_CallOneArg(st->append, item) : NULL;
   if (!appended) goto out;
   Py_DECREF(appended);
   rc = 1;
 out:
   if (rc < 0) unregister(engine, op);
-  Py_XDECREF(inflight);
   Py_XDECREF(item);
   if (keep != Py_None) Py_DECREF(keep);
   Py_DECREF(kept);
@@ -855,7 +882,7 @@ typedef struct {
  * from whichever thread meets the last condition. 1, 0 before any side effect (Python's), -1. */
 static int pend_op(PyObject *engine, PyObject *op, PyObject *body, PyObject *deps, uint64_t gate, cond_t *conds,
                    int nconds) {
-  if (lock_take(engine, s_lock)) return -1;
+  if (engine_take(engine, 0)) return -1;
   ar_cmd recs[MAX_RECORDS];
   int nrec = 0, rc = engine_closed(engine);
   PyObject *keep = Py_None, *kept = NULL, *cells = NULL, *at_obj = NULL;
@@ -912,7 +939,7 @@ static int pend_op(PyObject *engine, PyObject *op, PyObject *body, PyObject *dep
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "a native engine's held ops must be a set");
     goto unlock;
   }
-  if (!lock_take(engine, s_retire_lock)) { /* the pending lists, as retire() replaces them */
+  if (!engine_take(engine, 1)) { /* the pending lists, as retire() replaces them */
     PyObject *ops = PyObject_GetAttr(engine, s_pended), *keeps = ops ? PyObject_GetAttr(engine, s_pended_keep) : NULL;
     PyObject *minus = keeps ? PyLong_FromLong(-1) : NULL;
     rc = minus && !PyList_Append(ops, op) && !PyList_Append(keeps, keep) && !PyObject_SetAttr(engine, s_pended_at, minus)
@@ -921,10 +948,10 @@ static int pend_op(PyObject *engine, PyObject *op, PyObject *body, PyObject *dep
     Py_XDECREF(minus);
     Py_XDECREF(keeps);
     Py_XDECREF(ops);
-    rc = lock_give(engine, s_retire_lock, rc);
+    rc = engine_give(engine, 1, rc);
   }
 unlock:
-  rc = lock_give(engine, s_lock, rc);
+  rc = engine_give(engine, 0, rc);
   if (rc < 0 && kept) unregister(engine, op);
   Py_XDECREF(at_obj);
   Py_XDECREF(cells);
@@ -989,11 +1016,11 @@ static int pend_held(PyObject *engine, PyObject *op, PyObject *body, PyObject *d
     }
   }
   if (!nconds) {
-    if (lock_take(engine, s_lock)) return -1;
+    if (engine_take(engine, 0)) return -1;
     int rc = engine_closed(engine);
     if (rc == 0) rc = append_records(engine, op, body, deps, gate, NULL);
     else if (rc == 1) rc = 0;
-    return lock_give(engine, s_lock, rc);
+    return engine_give(engine, 0, rc);
   }
   return pend_op(engine, op, body, deps, gate, conds, nconds);
 }
@@ -1206,11 +1233,11 @@ static PyObject *do_submit(PyObject *engine, PyObject *name, PyObject *body, PyO
   if (window != Py_None && (admitted = window_admit(window, op)) < 0) goto fail;
   int pushed = 0;
   if (admitted) {
-    if (lock_take(engine, s_lock)) goto fail;
+    if (engine_take(engine, 0)) goto fail;
     pushed = engine_closed(engine);
     if (pushed == 0) pushed = push(engine, op, body, deps, window != Py_None, gate_address);
     else if (pushed == 1) pushed = PyList_GET_SIZE(deps) ? 0 : 2;
-    if (lock_give(engine, s_lock, pushed) < 0) goto fail;
+    if (engine_give(engine, 0, pushed) < 0) goto fail;
   }
   if (pushed == 2) { /* closed meanwhile, with no dependency: check_open raises, as push does */
     PyObject *r = PyObject_CallMethodOneArg(engine, s_check_open, name);
@@ -1640,18 +1667,35 @@ checked:
 static PyObject *state(PyObject *self, PyObject *args) {
   (void)self;
   unsigned long long signal, core, failures;
-  if (!PyArg_ParseTuple(args, "KKK", &signal, &core, &failures)) return NULL;
+  PyObject *lock, *retire_lock, *inflight, *python, *failed;
+  if (!PyArg_ParseTuple(args, "KKKOOOO!O!", &signal, &core, &failures, &lock, &retire_lock, &inflight,
+                        &PyDict_Type, &python, &PyDict_Type, &failed))
+    return NULL;
   if (!signal || !core || !failures) {
     PyErr_SetString(PyExc_ValueError, "state: a native engine's addresses expected");
     return NULL;
   }
-  engine_state *st = PyMem_Malloc(sizeof *st);
+  engine_state *st = PyMem_Calloc(1, sizeof *st);
   if (!st) return PyErr_NoMemory();
   st->signal = (uint64_t *)(uintptr_t)signal;
   st->core = (void *)(uintptr_t)core;
   st->failures = (uint64_t *)(uintptr_t)failures;
+  st->python = Py_NewRef(python);
+  st->failed = Py_NewRef(failed);
+  st->inflight = Py_NewRef(inflight);
   PyObject *capsule = PyCapsule_New(st, STATE_NAME, free_state);
-  if (!capsule) PyMem_Free(st);
+  if (!capsule) {
+    for (int i = 0; i < STATE_OBJECTS; i++) Py_XDECREF(state_objects(st)[i]);
+    PyMem_Free(st);
+    return NULL;
+  }
+  st->acquire = PyObject_GetAttr(lock, s_acquire);
+  st->release = st->acquire ? PyObject_GetAttr(lock, s_release) : NULL;
+  st->retire_acquire = st->release ? PyObject_GetAttr(retire_lock, s_acquire) : NULL;
+  st->retire_release = st->retire_acquire ? PyObject_GetAttr(retire_lock, s_release) : NULL;
+  st->append = st->retire_release ? PyObject_GetAttr(inflight, s_append) : NULL;
+  st->popleft = st->append ? PyObject_GetAttr(inflight, s_popleft) : NULL;
+  if (!st->popleft) Py_CLEAR(capsule); /* frees what it got */
   return capsule;
 }
 
@@ -1689,7 +1733,8 @@ static PyObject *init(PyObject *self, PyObject *args) {
   }
   if (slot_offsets(op_type, slot_names, g_off, N_SLOTS) ||
       slot_offsets(buffer_type, buffer_slot_names, g_buffer_off, N_BUFFER_SLOTS) ||
-      slot_offsets(log_type, log_slot_names, &g_entries_off, 1))
+      slot_offsets(log_type, log_slot_names, &g_entries_off, 1) ||
+      slot_offsets(native_type, state_slot_names, &g_state_off, 1))
     return NULL;
   g_submit = (submit_fn)(uintptr_t)submit_address;
   g_held = held;
@@ -1874,7 +1919,8 @@ static PyMethodDef methods[] = {
     {"copy", (PyCFunction)(void (*)(void))copy, METH_FASTCALL,
      "copy(dev, buf, data, into, hold, window, priority): a copy-in (data) or copy-out's op, or None"},
     {"state", state, METH_VARARGS,
-     "state(signal address, core engine address, failures address): a native engine's `_fast_state`"},
+     "state(signal address, core engine address, failures address, lock, retire lock, in-flight deque, python "
+     "ops dict, failures dict): a native engine's `_fast_state`"},
     {"init", init, METH_VARARGS,
      "init(the addresses of ar_submit, ar_pend_new, ar_pend_on_sig, ar_pend_on_pend and ar_pend_go, HELD, ABANDONED, "
      "CELLS, Op, NativeEngine, Entry, nothing, copies, ids, protect, WAIT, Buffer, AccessLog, recorder, "
