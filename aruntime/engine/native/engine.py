@@ -320,7 +320,8 @@ class NativeEngine(Engine):
         self.ranges.bind(lib, eng)
         self._submit = lib.ar_submit
         self._handle = ctypes.c_void_p(eng)  # passed as it is: no argument conversion per submission
-        self._inflight: deque[tuple[Op, Sequence[Any] | None]] = deque()
+        self._inflight: deque[Op] = deque()  # ops handed to the ring, not yet retired
+        self._inflight_keep: deque[Sequence[Any] | None] = deque()  # what each one's records keep alive
         self._failed: dict[int, tuple[int, int, int]] = {}  # op value -> (command index, kind, status)
         self._python: dict[int, Op] = {}  # op id -> op, for ops with commands the Python thread runs
         self._pended: list[Op] = []  # ops pending in the core, not yet retired
@@ -345,6 +346,7 @@ class NativeEngine(Engine):
                 self._lock,
                 self._retire_lock,
                 self._inflight,
+                self._inflight_keep,
                 self._python,
                 self._failed,
             )
@@ -385,7 +387,7 @@ class NativeEngine(Engine):
         if fast is not None and type(cmds) is not _Packed and fast.enqueue(self, cmds, op):  # the same, in C
             return
         inflight = self._inflight
-        if len(inflight) >= RETIRE_EVERY and inflight[0][0].value <= self.signal.value:
+        if len(inflight) >= RETIRE_EVERY and inflight[0].value <= self.signal.value:
             self.retire()  # in batches: an op that is awaited or observed is retired then anyway
         records, count, keep = self._pack(cmds, op)
         value = self._submit(self._handle, records, count)
@@ -393,7 +395,8 @@ class NativeEngine(Engine):
             self._python.pop(op.id, None)
             raise MemoryError(f"{op.name}: no memory for the commands of {self.signal.name}")
         op.value = value
-        inflight.append((op, keep))
+        self._inflight_keep.append(keep)  # before the op: a retire that finds the op finds what it keeps
+        inflight.append(op)
 
     def pend(self, cmds: list[Command], op: Op, blockers: Sequence[tuple[bool, Op]]) -> None:
         """Hand ``op`` to the core with the signal values (or pending ops) it waits for: the core appends it to
@@ -637,10 +640,10 @@ class NativeEngine(Engine):
             reached = self.signal.value
             if self.failures[0] != self.failures_seen:
                 self._take_failures()
-            inflight = self._inflight
-            while inflight and inflight[0][0].value <= reached:
-                op, keep = inflight.popleft()
-                self._retire_op(op, op.value, keep, failed)
+            inflight, keeps = self._inflight, self._inflight_keep
+            while inflight and inflight[0].value <= reached:
+                op = inflight.popleft()
+                self._retire_op(op, op.value, keeps.popleft(), failed)
             if self._pended and (self._pended_at != reached or self.closed):  # else nothing new can be done
                 pended: list[Op] = []
                 pended_keep: list[Sequence[Any] | None] = []

@@ -152,13 +152,14 @@ typedef struct {
   uint64_t *failures;          /* the count of failures the core logged */
   PyObject *acquire, *release; /* its submission lock's methods */
   PyObject *retire_acquire, *retire_release; /* its retire lock's */
-  PyObject *inflight, *append, *popleft;     /* its `_inflight` deque and two of its methods */
+  PyObject *inflight, *append, *popleft;     /* its `_inflight` deque of ops, and two of its methods */
+  PyObject *keeps, *keep_append, *keep_popleft; /* its `_inflight_keep` deque: what their records keep alive */
   PyObject *python;            /* its `_python` dict */
   PyObject *failed;            /* its `_failed` dict */
 } engine_state;
 
 #define STATE_NAME "aruntime.engine.native.submit.state"
-#define STATE_OBJECTS 9 /* the objects it holds, from `acquire` on */
+#define STATE_OBJECTS 12 /* the objects it holds, from `acquire` on */
 
 static PyObject **state_objects(engine_state *st) { return &st->acquire; }
 
@@ -285,14 +286,20 @@ static int contains(PyObject *list, PyObject *item) {
   return 0;
 }
 
-/* AccessLog.access (memory/hazards.py) of all of `buf`, the same rules: -1 on error. */
+static int op_dispatched(PyObject *op);
+
+/* AccessLog.access (memory/hazards.py) of all of `buf`, the same rules: -1 on error. The entries it keeps are
+ * kept in the log's list itself (no new list per access); a list that changed meanwhile (another thread's access
+ * while this one ran Python) is replaced by a new one, as Python does. */
 static int log_access(PyObject *buf, int write, int consumes, PyObject *op, PyObject *engine, PyObject *deps,
                       PyObject *inputs) {
   PyObject *log = BUF_GET(buf, B_LOG, s_log);
   if (!log) return -1;
   PyObject *off = BUF_GET(buf, B_OFFSET, s_offset), *size = off ? BUF_GET(buf, B_NBYTES, s_nbytes) : NULL;
-  PyObject *entries = size ? LOG_ENTRIES(log) : NULL;
-  PyObject *live = NULL, *end_obj = NULL, *mine = NULL;
+  PyObject *entries = size ? LOG_ENTRIES(log) : NULL, *end_obj = NULL, *mine = NULL, *now = NULL;
+  PyObject *few[16], **seen = few; /* the entries as they were, each held */
+  char few_kept[16], *kept = few_kept;
+  Py_ssize_t n = 0;
   int rc = -1;
   if (!entries) goto out;
   if (!PyList_Check(entries)) {
@@ -301,11 +308,17 @@ static int log_access(PyObject *buf, int write, int consumes, PyObject *op, PyOb
   }
   long long start = PyLong_AsLongLong(off), end = start + PyLong_AsLongLong(size);
   if (PyErr_Occurred()) goto out;
-  live = PyList_New(0);
-  if (!live) goto out;
-  Py_ssize_t n = PyList_GET_SIZE(entries);
+  Py_ssize_t count = PyList_GET_SIZE(entries);
+  if (count > 16 && !(seen = PyMem_Malloc(count * (sizeof *seen + 1)))) {
+    seen = few;
+    PyErr_NoMemory();
+    goto out;
+  }
+  if (count > 16) kept = (char *)(seen + count);
+  for (; n < count; n++) seen[n] = Py_NewRef(PyList_GET_ITEM(entries, n));
   for (Py_ssize_t i = 0; i < n; i++) {
-    PyObject *entry = PyList_GET_ITEM(entries, i);
+    PyObject *entry = seen[i];
+    kept[i] = 0;
     if (!is_entry(entry)) goto out;
     long long s = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 0)), e = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 1));
     int w = PyTuple_GET_ITEM(entry, 2) == Py_True;
@@ -323,26 +336,38 @@ static int log_access(PyObject *buf, int write, int consumes, PyObject *op, PyOb
         goto out;
     }
     int covered = start <= s && e <= end;
-    if (covered && !write) {
-      covered = 0;
-      if (!w && SLOT(other, S_ENGINE) == engine) {
-        PyObject *d = PyObject_GetAttr(other, s_dispatched);
-        if (!d) goto out;
-        covered = PyObject_IsTrue(d);
-        Py_DECREF(d);
-        if (covered < 0) goto out;
-      }
-    }
-    if (!covered && PyList_Append(live, entry)) goto out;
+    if (covered && !write) covered = !w && SLOT(other, S_ENGINE) == engine ? op_dispatched(other) : 0;
+    if (covered < 0) goto out;
+    kept[i] = !covered;
   }
   end_obj = PyLong_FromLongLong(end);
   mine = end_obj ? PyTuple_Pack(4, off, end_obj, write ? Py_True : Py_False, op) : NULL;
-  if (!mine || PyList_Append(live, mine) || log_set_entries(log, live)) goto out;
-  rc = 0;
+  now = mine ? LOG_ENTRIES(log) : NULL;
+  if (!now) goto out;
+  int same = now == entries && PyList_GET_SIZE(entries) == n;
+  for (Py_ssize_t i = 0; same && i < n; i++) same = PyList_GET_ITEM(entries, i) == seen[i];
+  if (same) { /* the list as it was: the entries it keeps moved to its front, the others let go below */
+    Py_ssize_t j = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+      if (kept[i]) PyList_SET_ITEM(entries, j++, seen[i]);
+      else Py_DECREF(seen[i]); /* the list's reference; `seen` still holds one */
+    }
+    Py_SET_SIZE(entries, j);
+    rc = PyList_Append(entries, mine);
+  } else { /* changed meanwhile: a new list, as Python's access makes */
+    PyObject *live = PyList_New(0);
+    rc = live ? 0 : -1;
+    for (Py_ssize_t i = 0; !rc && i < n; i++)
+      if (kept[i]) rc = PyList_Append(live, seen[i]);
+    if (!rc) rc = PyList_Append(live, mine) || log_set_entries(log, live) ? -1 : 0;
+    Py_XDECREF(live);
+  }
 out:
+  for (Py_ssize_t i = 0; i < n; i++) Py_DECREF(seen[i]);
+  if (seen != few) PyMem_Free(seen);
+  Py_XDECREF(now);
   Py_XDECREF(mine);
   Py_XDECREF(end_obj);
-  Py_XDECREF(live);
   Py_XDECREF(entries);
   Py_XDECREF(size);
   Py_XDECREF(off);
@@ -568,21 +593,28 @@ static int retire_plain(PyObject *engine, uint64_t reached) {
       if (n < 0) rc = -1;
       break;
     }
-    PyObject *head = PySequence_GetItem(inflight, 0);
-    if (!head || !PyTuple_Check(head) || PyTuple_GET_SIZE(head) != 2 || !is_op(PyTuple_GET_ITEM(head, 0), "a queue")) {
-      Py_XDECREF(head);
+    PyObject *op = PySequence_GetItem(inflight, 0);
+    if (!op || !is_op(op, "a queue")) {
+      Py_XDECREF(op);
       rc = -1;
       break;
     }
-    PyObject *op = PyTuple_GET_ITEM(head, 0);
-    int mine = op_value(op) <= reached, stamps = mine && takes_timestamps(PyTuple_GET_ITEM(head, 1));
-    if (mine && !stamps) {
+    int mine = op_value(op) <= reached, stamps = 0;
+    if (mine) { /* what its records keep alive: the head of `_inflight_keep`, appended before the op */
+      PyObject *keep = PySequence_GetItem(st->keeps, 0);
+      stamps = keep ? takes_timestamps(keep) : 0;
+      Py_XDECREF(keep);
+      if (!keep) rc = -1;
+    }
+    if (mine && !stamps && rc == 1) {
       PyObject *popped = PyObject_CallNoArgs(st->popleft);
-      if (!popped || clear_op(op, empty, python)) rc = -1;
+      PyObject *kept = popped ? PyObject_CallNoArgs(st->keep_popleft) : NULL;
+      if (!kept || clear_op(op, empty, python)) rc = -1;
+      Py_XDECREF(kept);
       Py_XDECREF(popped);
     }
-    Py_DECREF(head);
-    if (stamps) rc = 0;
+    Py_DECREF(op);
+    if (stamps && rc == 1) rc = 0;
     if (!mine) break;
   }
   if (rc == 1) rc = retire_pended(engine, reached, empty, python);
@@ -819,7 +851,7 @@ static int append_records(PyObject *engine, PyObject *op, PyObject *cmds, PyObje
   int ok = build_records(engine, op, cmds, gate, recs, &nrec, &keep, &kept);
   if (ok <= 0) return ok;
   engine_state *st = state_of(engine);
-  PyObject *item = NULL, *inflight = st ? st->inflight : NULL;
+  PyObject *inflight = st ? st->inflight : NULL;
   int rc = -1;
   if (!inflight) goto out;
   Py_ssize_t queued = PyObject_Length(inflight);
@@ -827,9 +859,8 @@ static int append_records(PyObject *engine, PyObject *op, PyObject *cmds, PyObje
     PyObject *head = PySequence_GetItem(inflight, 0);
     uint64_t reached;
     int r = head ? signal_value(engine, &reached) : -2;
-    if (r == 0 && (!PyTuple_Check(head) || PyTuple_GET_SIZE(head) != 2 || !is_op(PyTuple_GET_ITEM(head, 0), "a queue")))
-      r = -2;
-    if (r == 0 && op_value(PyTuple_GET_ITEM(head, 0)) <= reached && retire_ops(engine, reached)) r = -2;
+    if (r == 0 && !is_op(head, "a queue")) r = -2;
+    if (r == 0 && op_value(head) <= reached && retire_ops(engine, reached)) r = -2;
     Py_XDECREF(head);
     if (r == -2 || PyErr_Occurred()) goto out;
   }
@@ -847,14 +878,23 @@ static int append_records(PyObject *engine, PyObject *op, PyObject *cmds, PyObje
   if (!v) goto out;
   set_slot(op, S_VALUE, v);
   Py_DECREF(v);
-  item = PyTuple_Pack(2, op, keep);
-  PyObject *appended = item ? PyObject_CallOneArg(st->append, item) : NULL;
+  PyObject *appended = PyObject_CallOneArg(st->keep_append, keep); /* before the op: see retire_plain */
   if (!appended) goto out;
+  Py_DECREF(appended);
+  appended = PyObject_CallOneArg(st->append, op);
+  if (!appended) { /* the deques stay in step */
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyObject *popped = PyObject_CallMethod(st->keeps, "pop", NULL);
+    if (!popped) PyErr_Clear();
+    Py_XDECREF(popped);
+    PyErr_Restore(type, value, traceback);
+    goto out;
+  }
   Py_DECREF(appended);
   rc = 1;
 out:
   if (rc < 0) unregister(engine, op);
-  Py_XDECREF(item);
   if (keep != Py_None) Py_DECREF(keep);
   Py_DECREF(kept);
   return rc;
@@ -1667,8 +1707,8 @@ checked:
 static PyObject *state(PyObject *self, PyObject *args) {
   (void)self;
   unsigned long long signal, core, failures;
-  PyObject *lock, *retire_lock, *inflight, *python, *failed;
-  if (!PyArg_ParseTuple(args, "KKKOOOO!O!", &signal, &core, &failures, &lock, &retire_lock, &inflight,
+  PyObject *lock, *retire_lock, *inflight, *keeps, *python, *failed;
+  if (!PyArg_ParseTuple(args, "KKKOOOOO!O!", &signal, &core, &failures, &lock, &retire_lock, &inflight, &keeps,
                         &PyDict_Type, &python, &PyDict_Type, &failed))
     return NULL;
   if (!signal || !core || !failures) {
@@ -1683,6 +1723,7 @@ static PyObject *state(PyObject *self, PyObject *args) {
   st->python = Py_NewRef(python);
   st->failed = Py_NewRef(failed);
   st->inflight = Py_NewRef(inflight);
+  st->keeps = Py_NewRef(keeps);
   PyObject *capsule = PyCapsule_New(st, STATE_NAME, free_state);
   if (!capsule) {
     for (int i = 0; i < STATE_OBJECTS; i++) Py_XDECREF(state_objects(st)[i]);
@@ -1695,7 +1736,9 @@ static PyObject *state(PyObject *self, PyObject *args) {
   st->retire_release = st->retire_acquire ? PyObject_GetAttr(retire_lock, s_release) : NULL;
   st->append = st->retire_release ? PyObject_GetAttr(inflight, s_append) : NULL;
   st->popleft = st->append ? PyObject_GetAttr(inflight, s_popleft) : NULL;
-  if (!st->popleft) Py_CLEAR(capsule); /* frees what it got */
+  st->keep_append = st->popleft ? PyObject_GetAttr(keeps, s_append) : NULL;
+  st->keep_popleft = st->keep_append ? PyObject_GetAttr(keeps, s_popleft) : NULL;
+  if (!st->keep_popleft) Py_CLEAR(capsule); /* frees what it got */
   return capsule;
 }
 
@@ -1919,8 +1962,8 @@ static PyMethodDef methods[] = {
     {"copy", (PyCFunction)(void (*)(void))copy, METH_FASTCALL,
      "copy(dev, buf, data, into, hold, window, priority): a copy-in (data) or copy-out's op, or None"},
     {"state", state, METH_VARARGS,
-     "state(signal address, core engine address, failures address, lock, retire lock, in-flight deque, python "
-     "ops dict, failures dict): a native engine's `_fast_state`"},
+     "state(signal address, core engine address, failures address, lock, retire lock, in-flight deque, its keep "
+     "deque, python ops dict, failures dict): a native engine's `_fast_state`"},
     {"init", init, METH_VARARGS,
      "init(the addresses of ar_submit, ar_pend_new, ar_pend_on_sig, ar_pend_on_pend and ar_pend_go, HELD, ABANDONED, "
      "CELLS, Op, NativeEngine, Entry, nothing, copies, ids, protect, WAIT, Buffer, AccessLog, recorder, "
