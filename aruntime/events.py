@@ -115,6 +115,8 @@ class Recorder:
     """Where events go while ``enabled``: engines record ranges in their :class:`RangeLog`, everything
     else goes through :meth:`add`."""
 
+    __slots__ = ("_events", "_lock", "_logs", "enabled")  # slots: the native submission path reads `enabled`
+
     def __init__(self) -> None:
         self.enabled = False
         self._events: list[Event] = []

@@ -274,7 +274,7 @@ class NativeRangeLog(RangeLog):
 class NativeEngine(Engine):
     """An engine whose commands run on a native worker thread (see the module docstring)."""
 
-    __slots__ = ("_fast_state",)  # a slot: the native submission path reads it where it lies
+    __slots__ = ("_fast_state", "closed")  # slots: the native submission path reads them where they lie
     assigns_values = True  # the core numbers ops: it also hands on pending ops itself
     pends = True
     reads_gates = True

@@ -169,8 +169,12 @@ static void free_state(PyObject *capsule) {
   PyMem_Free(st);
 }
 
-static const char *state_slot_names[1] = {"_fast_state"};
-static Py_ssize_t g_state_off; /* the offset of NativeEngine's `_fast_state` slot */
+static const char *engine_slot_names[2] = {"_fast_state", "closed"};
+static Py_ssize_t g_engine_off[2]; /* the offsets of NativeEngine's slots */
+#define g_state_off g_engine_off[0]
+#define g_closed_off g_engine_off[1]
+static const char *recorder_slot_names[1] = {"enabled"};
+static Py_ssize_t g_enabled_off; /* the offset of the recorder's `enabled` slot */
 
 /* A native engine's state; NULL with an error set where it has none. */
 static engine_state *state_of(PyObject *engine) {
@@ -465,7 +469,7 @@ static int lock_give(PyObject *owner, PyObject *name, int rc) {
 }
 
 static int engine_closed(PyObject *engine) {
-  PyObject *closed = PyObject_GetAttr(engine, s_closed);
+  PyObject *closed = slot_get(engine, g_native_type, g_closed_off, s_closed);
   if (!closed) return -1;
   int truth = PyObject_IsTrue(closed);
   Py_DECREF(closed);
@@ -699,7 +703,7 @@ static int check_pairs(PyObject *inputs, PyObject **pairs) {
 
 /* Whether a profile is being recorded (the op's work record then carries F_RECORD and its name): 1, 0, -1. */
 static int recording(void) {
-  PyObject *enabled = PyObject_GetAttr(g_recorder, s_enabled);
+  PyObject *enabled = slot_get(g_recorder, Py_TYPE(g_recorder), g_enabled_off, s_enabled);
   int truth = enabled ? PyObject_IsTrue(enabled) : -1;
   Py_XDECREF(enabled);
   return truth;
@@ -1599,6 +1603,20 @@ out:
   return rc;
 }
 
+/* The name of a copy of `nbytes` ("copyin 64 B", "copyout 64 B"), a new reference: the last one made of each
+ * direction is made again only for another size. */
+static PyObject *copy_name(int out_copy, Py_ssize_t nbytes) {
+  static PyObject *last[2];
+  static Py_ssize_t last_size[2];
+  if (!last[out_copy] || last_size[out_copy] != nbytes) {
+    PyObject *name = PyUnicode_FromFormat(out_copy ? "copyout %zd B" : "copyin %zd B", nbytes);
+    if (!name) return NULL;
+    Py_XSETREF(last[out_copy], name);
+    last_size[out_copy] = nbytes;
+  }
+  return Py_NewRef(last[out_copy]);
+}
+
 /* copy(dev, buf, data, into, hold, window, priority): BaseDevice.copyin's op (data given) or copyout's (data None:
  * into `into`, or a new result when it is None), or None for the Python path. */
 static PyObject *copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -1664,7 +1682,7 @@ static PyObject *copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   }
   if (PyErr_Occurred()) ok = -1;
   if (ok <= 0) goto checked;
-  name = PyUnicode_FromFormat(out_copy ? "copyout %zd B" : "copyin %zd B", nbytes);
+  name = copy_name(out_copy, nbytes);
   if (!name) {
     ok = -1;
     goto checked;
@@ -1777,7 +1795,8 @@ static PyObject *init(PyObject *self, PyObject *args) {
   if (slot_offsets(op_type, slot_names, g_off, N_SLOTS) ||
       slot_offsets(buffer_type, buffer_slot_names, g_buffer_off, N_BUFFER_SLOTS) ||
       slot_offsets(log_type, log_slot_names, &g_entries_off, 1) ||
-      slot_offsets(native_type, state_slot_names, &g_state_off, 1))
+      slot_offsets(native_type, engine_slot_names, g_engine_off, 2) ||
+      slot_offsets((PyObject *)Py_TYPE(recorder), recorder_slot_names, &g_enabled_off, 1))
     return NULL;
   g_submit = (submit_fn)(uintptr_t)submit_address;
   g_held = held;
