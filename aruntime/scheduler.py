@@ -72,6 +72,23 @@ class Scheduler:
     priority: latency-sensitive work goes through a scheduler of its own.
     """
 
+    __slots__ = (
+        "__weakref__",
+        "_failed",
+        "_inflight",
+        "_lock",
+        "_open",
+        "_own_gate",
+        "_queued",
+        "_requests",
+        "_waiting",
+        "_watching",
+        "drain_timeout",
+        "priority",
+        "queue",
+        "window",
+    )  # read in place by the native submission path
+
     _request_var = _current_request
     """The context variable of the current task's request (the native submission path reads it)."""
 

@@ -377,3 +377,54 @@ async def test_a_damaged_hazard_log_is_an_error_not_a_crash() -> None:
         dev.copyin(buf, bytes(8))
     buf.log.entries.clear()
     await dev.copyin(buf, bytes(8))
+
+
+_WINDOW_SLOT: Any = vars(Scheduler)["window"]  # the slot's descriptor
+
+
+class _NarrowScheduler(Scheduler):
+    """A Scheduler whose window is a property: two ops in flight, whatever its slot holds."""
+
+    @property
+    def window(self) -> int:
+        return 2
+
+    @window.setter
+    def window(self, value: int) -> None:
+        _WINDOW_SLOT.__set__(self, value)  # the slot holds what it was made with
+
+
+class _LaterScheduler(Scheduler):
+    """A Scheduler subclass whose window this test changes after its first ops (a class changed meanwhile)."""
+
+
+async def _admitted(dev: BaseDevice, sched: Scheduler, count: int = 5) -> list[bool]:
+    """Whether each of ``count`` launches through ``sched`` was admitted to its queue (held behind a closed gate,
+    so none finishes meanwhile) rather than queued for room."""
+    gate, flag = await closed_gate(dev)
+    add = await dev.compile(ADD_ONE, outs=(0,))
+    bufs = [await dev.allocate(8) for _ in range(count)]
+    dev.launch(gate, await dev.allocate(1, dtypes.int32), vals=(flag.handle, SPINS))
+    async with sched:
+        ops = [sched.launch(add, buf, vals=(8,)) for buf in bufs]
+        admitted = [op.value != HELD for op in ops]  # none depends on another: HELD is queued for room
+        ctypes.c_int32.from_address(flag.handle).value = 1
+        with anyio.fail_after(30):
+            for op in ops:
+                await op
+    return admitted
+
+
+async def test_attributes_read_in_place_follow_a_subclass_and_a_changed_class() -> None:
+    """The C path reads slots where they lie, but an attribute a subclass makes a property, or a class changed
+    after the first read, is read as Python reads it."""
+    dev = Device["CPU:5"]
+    _fast(dev)
+    assert await _admitted(dev, Scheduler(window=1024)) == [True] * 5
+    assert await _admitted(dev, _NarrowScheduler(window=1024)) == [True, True, False, False, False]
+    assert await _admitted(dev, _LaterScheduler(window=1024)) == [True] * 5
+    setattr(_LaterScheduler, "window", property(lambda self: 3, _WINDOW_SLOT.__set__))  # noqa: B010  (mypy refuses the assignment)
+    try:
+        assert await _admitted(dev, _LaterScheduler(window=1024)) == [True, True, True, False, False]
+    finally:
+        delattr(_LaterScheduler, "window")

@@ -15,6 +15,8 @@ Bound = tuple[Callable[..., object], tuple[Any, ...]]
 class Program:
     """A compiled kernel of one device; :meth:`bind` says what the compute engine calls for a launch."""
 
+    __slots__ = ("__dict__", "__weakref__", "device", "lib", "name", "outs")  # read in place when submitting
+
     _plan: tuple[Callable[..., object], bytes | None] | None = None
     """How the native submission path binds a launch as :meth:`bind` does, or None where only :meth:`bind` can:
     the callable, and the parameters as a byte pair each (``p``, ``f``, ``i`` or ``u``, and the bits), each

@@ -21,6 +21,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <limits.h>
+#include <stdarg.h>
 #include <stdint.h>
 
 typedef struct {
@@ -70,15 +72,6 @@ static Py_ssize_t g_off[N_SLOTS];
 
 #define SLOT(op, s) (*(PyObject **)((char *)(op) + g_off[s]))
 
-/* offsets of the Buffer's slots and of the AccessLog's entries: read where they lie for objects of those types */
-enum { B_BASE, B_DEVICE, B_DTYPE, B_GENERATION, B_HANDLE, B_LOG, B_NBYTES, B_OFFSET, B_OWNER, N_BUFFER_SLOTS };
-static const char *buffer_slot_names[N_BUFFER_SLOTS] = {"_base",  "device", "dtype",  "_generation", "_handle",
-                                                        "log",    "nbytes", "offset", "_owner"};
-static Py_ssize_t g_buffer_off[N_BUFFER_SLOTS];
-static const char *log_slot_names[1] = {"entries"};
-static Py_ssize_t g_entries_off;
-static PyTypeObject *g_log_type;
-
 /* The offsets of the slots `names` of `type` into `offs`: 0, or -1 with a TypeError naming one that is not a slot. */
 static int slot_offsets(PyObject *type, const char *const *names, Py_ssize_t *offs, int n) {
   for (int s = 0; s < n; s++) {
@@ -95,26 +88,96 @@ static int slot_offsets(PyObject *type, const char *const *names, Py_ssize_t *of
   return 0;
 }
 
-/* `o`'s slot at `off` (a new reference) where `o` is of `type` and the slot is set; else getattr(o, name). */
-static PyObject *slot_get(PyObject *o, PyTypeObject *type, Py_ssize_t off, PyObject *name) {
-  if (Py_TYPE(o) == type) {
-    PyObject *v = *(PyObject **)((char *)o + off);
-    if (v) return Py_NewRef(v);
+/* Where one call site reads an attribute: of objects of `type` (held) at version `version`, in the slot at
+ * `off`, or by getattr where `off` is -1. */
+typedef struct {
+  PyTypeObject *type;
+  unsigned int version;
+  Py_ssize_t off;
+} attr_site;
+
+/* The address of `o`'s slot `name`, found through `site` (which it updates for a new type, or a type changed
+ * since); NULL where `name` is not a plain slot of o's type (a property, a class attribute, an entry of the
+ * instance dict, a type with its own __getattribute__ or __setattr__). */
+static PyObject **slot_of(PyObject *o, PyObject *name, attr_site *site) {
+  PyTypeObject *t = Py_TYPE(o);
+  if (t != site->type || t->tp_version_tag != site->version) {
+    PyObject *d = _PyType_Lookup(t, name); /* borrowed; gives the type a version tag where it can have one */
+    site->off = -1;
+    if (d && Py_IS_TYPE(d, &PyMemberDescr_Type) && ((PyMemberDescrObject *)d)->d_member->type == T_OBJECT_EX &&
+        t->tp_getattro == PyObject_GenericGetAttr && t->tp_setattro == PyObject_GenericSetAttr &&
+        (t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG))
+      site->off = ((PyMemberDescrObject *)d)->d_member->offset;
+    Py_XSETREF(site->type, (PyTypeObject *)Py_NewRef(t));
+    site->version = t->tp_version_tag;
   }
-  return PyObject_GetAttr(o, name);
+  return site->off < 0 ? NULL : (PyObject **)((char *)o + site->off);
 }
 
-#define BUF_GET(buf, s, name) slot_get((buf), g_buffer_type, g_buffer_off[s], (name))
-#define LOG_ENTRIES(log) slot_get((log), g_log_type, g_entries_off, s_entries)
+/* o.name (a new reference): read where it lies for a slot that is set, else getattr(o, name). */
+static PyObject *get_attr(PyObject *o, PyObject *name, attr_site *site) {
+  PyObject **slot = slot_of(o, name, site);
+  return slot && *slot ? Py_NewRef(*slot) : PyObject_GetAttr(o, name);
+}
 
-static PyObject *s_entries;
-
-/* log.entries = entries: 0, or -1 on error. */
-static int log_set_entries(PyObject *log, PyObject *entries) {
-  if (Py_TYPE(log) != g_log_type) return PyObject_SetAttr(log, s_entries, entries);
-  Py_XSETREF(*(PyObject **)((char *)log + g_entries_off), Py_NewRef(entries));
+/* o.name = value: 0, or -1 on error. */
+static int set_attr(PyObject *o, PyObject *name, PyObject *value, attr_site *site) {
+  PyObject **slot = slot_of(o, name, site);
+  if (!slot) return PyObject_SetAttr(o, name, value);
+  Py_XSETREF(*slot, Py_NewRef(value));
   return 0;
 }
+
+/* o.name, each call site with a site of its own */
+#define ATTR(o, name) \
+  ({ \
+    static attr_site site_; \
+    get_attr((o), (name), &site_); \
+  })
+
+/* o.name = value, each call site with a site of its own */
+#define SET_ATTR(o, name, value) \
+  ({ \
+    static attr_site site_; \
+    set_attr((o), (name), (value), &site_); \
+  })
+
+/* An int below 2**64 as a uint64_t; (uint64_t)-1 with OverflowError or TypeError set where it is not one. */
+static uint64_t as_u64(PyObject *v) {
+#if ULONG_MAX == UINT64_MAX
+  return PyLong_AsUnsignedLong(v); /* a loop over its digits, where the long long form packs bytes */
+#else
+  return PyLong_AsUnsignedLongLong(v);
+#endif
+}
+
+/* A tuple of `n` objects, each a new reference it takes (also on failure); NULL where one is NULL or it could not
+ * be made. */
+static PyObject *tuple_of(Py_ssize_t n, ...) {
+  PyObject *t = PyTuple_New(n);
+  int failed = !t;
+  va_list items;
+  va_start(items, n);
+  for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject *item = va_arg(items, PyObject *);
+    if (!item) failed = 1;
+    if (t) PyTuple_SET_ITEM(t, i, item);
+    else Py_XDECREF(item);
+  }
+  va_end(items);
+  if (failed) Py_CLEAR(t);
+  return t;
+}
+
+/* [cmd], taking the reference to `cmd` (also on failure); NULL where it is NULL or the list could not be made. */
+static PyObject *one_command(PyObject *cmd) {
+  PyObject *list = cmd ? PyList_New(1) : NULL;
+  if (list) PyList_SET_ITEM(list, 0, cmd);
+  else Py_XDECREF(cmd);
+  return list;
+}
+
+static PyObject *s_entries;
 
 /* Whether `o` is an Op (whose slots SLOT reads); else a TypeError naming `what`. */
 static int is_op(PyObject *o, const char *what) {
@@ -144,9 +207,10 @@ static PyObject *s_log, *s_offset, *s_nbytes, *s_signal, *s_ptr, *s_timeout, *s_
     *s_owner, *s_dtype, *s_copy_fn, *s_inline, *s_fast_state, *s_retire_lock, *s_popleft, *s_gate, *s_admit, *s_pended, *s_pended_keep, *s_pended_at,
     *s_retire_python, *s_cell_at, *s_cells, *s_held, *s_request_var, *s_own_gate, *s_waiting, *s_window;
 
-/* ---- engines: what never changes while a native engine lives, in a capsule it holds (its `_fast_state`) ---- */
+/* ---- engines: what never changes while a native engine lives, in an object it holds (its `_fast_state`) ---- */
 
 typedef struct {
+  PyObject_HEAD
   uint64_t *signal;            /* its signal's value */
   void *core;                  /* the core's engine */
   uint64_t *failures;          /* the count of failures the core logged */
@@ -158,31 +222,32 @@ typedef struct {
   PyObject *failed;            /* its `_failed` dict */
 } engine_state;
 
-#define STATE_NAME "aruntime.engine.native.submit.state"
 #define STATE_OBJECTS 12 /* the objects it holds, from `acquire` on */
 
 static PyObject **state_objects(engine_state *st) { return &st->acquire; }
 
-static void free_state(PyObject *capsule) {
-  engine_state *st = PyCapsule_GetPointer(capsule, STATE_NAME);
-  for (int i = 0; i < STATE_OBJECTS; i++) Py_XDECREF(state_objects(st)[i]);
-  PyMem_Free(st);
+static void state_dealloc(PyObject *self) {
+  engine_state *st = (engine_state *)self;
+  for (int i = 0; i < STATE_OBJECTS; i++) Py_CLEAR(state_objects(st)[i]);
+  Py_TYPE(self)->tp_free(self);
 }
 
-static const char *engine_slot_names[2] = {"_fast_state", "closed"};
-static Py_ssize_t g_engine_off[2]; /* the offsets of NativeEngine's slots */
-#define g_state_off g_engine_off[0]
-#define g_closed_off g_engine_off[1]
-static const char *recorder_slot_names[1] = {"enabled"};
-static Py_ssize_t g_enabled_off; /* the offset of the recorder's `enabled` slot */
+static PyTypeObject state_type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "aruntime.engine.native.submit.EngineState",
+    .tp_basicsize = sizeof(engine_state),
+    .tp_dealloc = state_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "What the submission path keeps of a native engine: its signal, core, locks, queues and dicts.",
+};
 
-/* A native engine's state; NULL with an error set where it has none. */
+/* A native engine's state (borrowed: alive while the engine holds it); NULL with an error set where it has none. */
 static engine_state *state_of(PyObject *engine) {
-  PyObject *capsule = slot_get(engine, g_native_type, g_state_off, s_fast_state);
-  if (!capsule) return NULL;
-  engine_state *st = PyCapsule_GetPointer(capsule, STATE_NAME); /* alive while the engine holds it */
-  Py_DECREF(capsule);
-  return st;
+  PyObject *st = ATTR(engine, s_fast_state);
+  if (!st) return NULL;
+  Py_DECREF(st); /* the engine holds it */
+  if (Py_IS_TYPE(st, &state_type)) return (engine_state *)st;
+  PyErr_Format(PyExc_TypeError, "%R holds no native engine state", engine);
+  return NULL;
 }
 
 /* Call `fn` with no arguments, keeping an error already set: `rc`, or -1 if the call failed. */
@@ -218,7 +283,7 @@ static int engine_give(PyObject *engine, int retire, int rc) {
 
 static uint64_t op_value(PyObject *op) { /* its value slot, an int below 2**64 */
   PyObject *v = SLOT(op, S_VALUE);
-  return v ? PyLong_AsUnsignedLongLong(v) : 0;
+  return v ? as_u64(v) : 0;
 }
 
 /* The native signal value of a native engine (its signal's ptr), or -1 with no error set for another engine. */
@@ -241,7 +306,7 @@ static int failures_settled(PyObject *engine) {
   seen = PyObject_GetAttr(engine, s_failures_seen);
   failed = seen ? Py_NewRef(st->failed) : NULL;
   if (!failed) goto out;
-  unsigned long long n = PyLong_AsUnsignedLongLong(seen);
+  unsigned long long n = as_u64(seen);
   if (PyErr_Occurred()) goto out;
   rc = n == count && PyDict_Check(failed) && PyDict_GET_SIZE(failed) == 0;
 out:
@@ -297,10 +362,10 @@ static int op_dispatched(PyObject *op);
  * while this one ran Python) is replaced by a new one, as Python does. */
 static int log_access(PyObject *buf, int write, int consumes, PyObject *op, PyObject *engine, PyObject *deps,
                       PyObject *inputs) {
-  PyObject *log = BUF_GET(buf, B_LOG, s_log);
+  PyObject *log = ATTR(buf, s_log);
   if (!log) return -1;
-  PyObject *off = BUF_GET(buf, B_OFFSET, s_offset), *size = off ? BUF_GET(buf, B_NBYTES, s_nbytes) : NULL;
-  PyObject *entries = size ? LOG_ENTRIES(log) : NULL, *end_obj = NULL, *mine = NULL, *now = NULL;
+  PyObject *off = ATTR(buf, s_offset), *size = off ? ATTR(buf, s_nbytes) : NULL;
+  PyObject *entries = size ? ATTR(log, s_entries) : NULL, *end_obj = NULL, *mine = NULL, *now = NULL;
   PyObject *few[16], **seen = few; /* the entries as they were, each held */
   char few_kept[16], *kept = few_kept;
   Py_ssize_t n = 0;
@@ -346,7 +411,7 @@ static int log_access(PyObject *buf, int write, int consumes, PyObject *op, PyOb
   }
   end_obj = PyLong_FromLongLong(end);
   mine = end_obj ? PyTuple_Pack(4, off, end_obj, write ? Py_True : Py_False, op) : NULL;
-  now = mine ? LOG_ENTRIES(log) : NULL;
+  now = mine ? ATTR(log, s_entries) : NULL;
   if (!now) goto out;
   int same = now == entries && PyList_GET_SIZE(entries) == n;
   for (Py_ssize_t i = 0; same && i < n; i++) same = PyList_GET_ITEM(entries, i) == seen[i];
@@ -363,7 +428,7 @@ static int log_access(PyObject *buf, int write, int consumes, PyObject *op, PyOb
     rc = live ? 0 : -1;
     for (Py_ssize_t i = 0; !rc && i < n; i++)
       if (kept[i]) rc = PyList_Append(live, seen[i]);
-    if (!rc) rc = PyList_Append(live, mine) || log_set_entries(log, live) ? -1 : 0;
+    if (!rc) rc = PyList_Append(live, mine) || SET_ATTR(log, s_entries, live) ? -1 : 0;
     Py_XDECREF(live);
   }
 out:
@@ -419,57 +484,38 @@ static int work_record(PyObject *cmd, ar_cmd *rec) {
   long kind = PyLong_AsLong(PyTuple_GET_ITEM(cmd, 0));
   if (kind == -1 && PyErr_Occurred()) return -1;
   PyObject *fn = PyTuple_GET_ITEM(cmd, 2);
+  memset(rec, 0, sizeof *rec);
+  if (kind == C_EXEC && Py_TYPE(fn) == g_entry_type) {
+    PyObject *args = PyTuple_GET_ITEM(cmd, 3);
+    if (!PyTuple_Check(args) || PyTuple_GET_SIZE(args) != 2) return 0;
+    PyObject *address = ATTR(fn, s_address);
+    if (!address) return -1;
+    rec->kind = K_EXEC;
+    rec->a = as_u64(address);
+    rec->b = as_u64(PyTuple_GET_ITEM(args, 1));
+    Py_DECREF(address);
+    return PyErr_Occurred() ? -1 : 1;
+  }
   PyObject *key = PyLong_FromVoidPtr(fn);
   if (!key) return -1;
   int nothing = PyDict_Contains(g_nothing, key), native = nothing == 0 ? PyDict_Contains(g_native_copies, key) : 0;
   Py_DECREF(key);
   if (nothing < 0 || native < 0) return -1;
-  memset(rec, 0, sizeof *rec);
-  if (kind == C_EXEC && Py_TYPE(fn) == g_entry_type) {
-    PyObject *args = PyTuple_GET_ITEM(cmd, 3);
-    if (!PyTuple_Check(args) || PyTuple_GET_SIZE(args) != 2) return 0;
-    PyObject *address = PyObject_GetAttr(fn, s_address);
-    if (!address) return -1;
-    rec->kind = K_EXEC;
-    rec->a = PyLong_AsUnsignedLongLong(address);
-    rec->b = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(args, 1));
-    Py_DECREF(address);
-  } else if (nothing) {
+  if (nothing) {
     rec->kind = K_NOP;
   } else if (kind == C_COPY && native && PyTuple_GET_SIZE(cmd) == 6) {
     rec->kind = K_COPY;
-    rec->a = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(cmd, 3));
-    rec->b = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(cmd, 4));
-    rec->c = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(cmd, 5));
+    rec->a = as_u64(PyTuple_GET_ITEM(cmd, 3));
+    rec->b = as_u64(PyTuple_GET_ITEM(cmd, 4));
+    rec->c = as_u64(PyTuple_GET_ITEM(cmd, 5));
   } else {
     return 0;
   }
   return PyErr_Occurred() ? -1 : 1;
 }
 
-
-/* Take the lock `owner`.`name` (a threading.Lock: it waits with the GIL released): 0, or -1. */
-static int lock_take(PyObject *owner, PyObject *name) {
-  PyObject *lock = PyObject_GetAttr(owner, name);
-  PyObject *r = lock ? PyObject_CallMethodNoArgs(lock, s_acquire) : NULL;
-  Py_XDECREF(lock);
-  Py_XDECREF(r);
-  return r ? 0 : -1;
-}
-
-/* Let go of the lock `owner`.`name`, keeping an error already set: `rc`, or -1 if it could not be let go. */
-static int lock_give(PyObject *owner, PyObject *name, int rc) {
-  PyObject *lock = PyObject_GetAttr(owner, name);
-  PyObject *release = lock ? PyObject_GetAttr(lock, s_release) : NULL;
-  Py_XDECREF(lock);
-  if (!release) return -1; /* not reached: a lock that was taken has a release */
-  rc = call_keeping_error(release, rc);
-  Py_DECREF(release);
-  return rc;
-}
-
 static int engine_closed(PyObject *engine) {
-  PyObject *closed = slot_get(engine, g_native_type, g_closed_off, s_closed);
+  PyObject *closed = ATTR(engine, s_closed);
   if (!closed) return -1;
   int truth = PyObject_IsTrue(closed);
   Py_DECREF(closed);
@@ -513,7 +559,7 @@ static int retire_pended(PyObject *engine, uint64_t reached, PyObject *empty, Py
   Py_ssize_t n = PyList_GET_SIZE(ops);
   rc = 1;
   if (!n) goto out;
-  unsigned long long seen = PyLong_AsUnsignedLongLong(at); /* -1 (changed since) reads as an error: look */
+  unsigned long long seen = as_u64(at); /* -1 (changed since) reads as an error: look */
   if (PyErr_Occurred()) PyErr_Clear();
   else if (seen == reached) {
     rc = -1;
@@ -703,7 +749,7 @@ static int check_pairs(PyObject *inputs, PyObject **pairs) {
 
 /* Whether a profile is being recorded (the op's work record then carries F_RECORD and its name): 1, 0, -1. */
 static int recording(void) {
-  PyObject *enabled = slot_get(g_recorder, Py_TYPE(g_recorder), g_enabled_off, s_enabled);
+  PyObject *enabled = ATTR(g_recorder, s_enabled);
   int truth = enabled ? PyObject_IsTrue(enabled) : -1;
   Py_XDECREF(enabled);
   return truth;
@@ -749,18 +795,18 @@ static int build_records(PyObject *engine, PyObject *op, PyObject *cmds, uint64_
     Py_XDECREF(name);
     if (!name || PyErr_Occurred()) return -1;
   }
-  uint64_t id = PyLong_AsUnsignedLongLong(SLOT(op, S_ID));
+  uint64_t id = as_u64(SLOT(op, S_ID));
   if (PyErr_Occurred()) return -1;
   for (Py_ssize_t i = 0; i < n - 1; i++) {
     PyObject *cmd = PyList_GET_ITEM(cmds, i);
     if (!PyTuple_Check(cmd) || PyTuple_GET_SIZE(cmd) != 3 || PyTuple_GET_ITEM(cmd, 0) != g_wait_kind) return 0;
-    PyObject *ptr = PyObject_GetAttr(PyTuple_GET_ITEM(cmd, 1), s_ptr);
-    PyObject *timeout = ptr ? PyObject_GetAttr(PyTuple_GET_ITEM(cmd, 1), s_timeout) : NULL;
+    PyObject *ptr = ATTR(PyTuple_GET_ITEM(cmd, 1), s_ptr);
+    PyObject *timeout = ptr ? ATTR(PyTuple_GET_ITEM(cmd, 1), s_timeout) : NULL;
     ar_cmd *rec = &recs[(*nrec)++];
     memset(rec, 0, sizeof *rec);
     rec->kind = K_WAIT;
-    rec->a = ptr ? PyLong_AsUnsignedLongLong(ptr) : 0;
-    rec->b = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(cmd, 2));
+    rec->a = ptr ? as_u64(ptr) : 0;
+    rec->b = as_u64(PyTuple_GET_ITEM(cmd, 2));
     rec->c = timeout ? (uint64_t)(int64_t)(PyFloat_AsDouble(timeout) * 1e9) : 0;
     rec->op = id;
     rec->index = (uint32_t)i;
@@ -816,11 +862,13 @@ static int build_records(PyObject *engine, PyObject *op, PyObject *cmds, uint64_
   }
   if (n == 1 && (rec->kind == K_EXEC || rec->kind == K_COPY)) {
     PyObject *cmd = PyList_GET_ITEM(cmds, 0);
-    *kept = rec->kind == K_EXEC
-                ? Py_BuildValue("((iOKO))", C_EXEC, PyTuple_GET_ITEM(cmd, 1), (unsigned long long)rec->a,
-                                PyTuple_GET_ITEM(cmd, 3))
-                : Py_BuildValue("((iOOKKK))", C_COPY, PyTuple_GET_ITEM(cmd, 1), Py_None, (unsigned long long)rec->a,
-                                (unsigned long long)rec->b, (unsigned long long)rec->c);
+    PyObject *name = Py_NewRef(PyTuple_GET_ITEM(cmd, 1));
+    *kept = tuple_of(1, rec->kind == K_EXEC
+                            ? tuple_of(4, PyLong_FromLong(C_EXEC), name, PyLong_FromUnsignedLongLong(rec->a),
+                                       Py_NewRef(PyTuple_GET_ITEM(cmd, 3)))
+                            : tuple_of(6, PyLong_FromLong(C_COPY), name, Py_NewRef(Py_None),
+                                       PyLong_FromUnsignedLongLong(rec->a), PyLong_FromUnsignedLongLong(rec->b),
+                                       PyLong_FromUnsignedLongLong(rec->c)));
   } else {
     *kept = Py_NewRef(cmds);
   }
@@ -1107,7 +1155,8 @@ static int push(PyObject *engine, PyObject *op, PyObject *body, PyObject *deps, 
   int rc = cmds ? 0 : -1;
   for (int i = 0; i < nwaits && !rc; i++) {
     PyObject *sig = PyObject_GetAttr(waits[i].engine, s_signal);
-    PyObject *item = sig ? Py_BuildValue("(OOK)", g_wait_kind, sig, (unsigned long long)waits[i].value) : NULL;
+    PyObject *item = sig ? tuple_of(3, Py_NewRef(g_wait_kind), Py_NewRef(sig), PyLong_FromUnsignedLongLong(waits[i].value))
+                         : NULL;
     if (!item || PyList_Append(cmds, item)) rc = -1;
     Py_XDECREF(item);
     Py_XDECREF(sig);
@@ -1156,9 +1205,9 @@ static PyObject *enqueue(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 
 /* ---- the module's functions --------------------------------------------------------------------------- */
 
-/* `owner`.`name`, or NULL with no error set where it has no such attribute; NULL with an error otherwise. */
-static PyObject *optional_attr(PyObject *owner, PyObject *name) {
-  PyObject *value = PyObject_GetAttr(owner, name);
+/* `value` (an attribute just read), or NULL with no error set where there was no such attribute; NULL with an
+ * error otherwise. */
+static PyObject *optional(PyObject *value) {
   if (!value && PyErr_ExceptionMatches(PyExc_AttributeError)) PyErr_Clear();
   return value;
 }
@@ -1167,14 +1216,14 @@ static PyObject *optional_attr(PyObject *owner, PyObject *name) {
  * variable `window._request_var` holds None): the scheduler's own gate; else (or for a window that is no
  * Scheduler) Python's rule. New reference. */
 static PyObject *window_gate(PyObject *window) {
-  PyObject *var = optional_attr(window, s_request_var), *request = NULL;
+  PyObject *var = optional(ATTR(window, s_request_var)), *request = NULL;
   if (!var && PyErr_Occurred()) return NULL;
   int rc = var && PyContextVar_CheckExact(var) ? PyContextVar_Get(var, NULL, &request) : 0;
   Py_XDECREF(var);
   if (rc < 0) return NULL;
   if (request == Py_None) {
     Py_DECREF(request);
-    return PyObject_GetAttr(window, s_own_gate);
+    return ATTR(window, s_own_gate);
   }
   Py_XDECREF(request);
   return PyObject_CallMethodNoArgs(window, s_gate);
@@ -1184,14 +1233,18 @@ static PyObject *window_gate(PyObject *window) {
  * for room and the window is not full (under the scheduler's lock, as Python does); else (or for a window that
  * is no Scheduler) Python's rule, which retires finished ops before it looks. */
 static int window_admit(PyObject *window, PyObject *op) {
-  PyObject *lock = optional_attr(window, s_lock), *r;
+  PyObject *lock = optional(ATTR(window, s_lock)), *r;
   if (!lock && PyErr_Occurred()) return -1;
-  Py_XDECREF(lock);
   int rc = 0;
-  if (lock) {
-    if (lock_take(window, s_lock)) return -1;
-    PyObject *waiting = optional_attr(window, s_waiting), *inflight = optional_attr(window, s_inflight),
-             *limit = optional_attr(window, s_window);
+  if (lock) { /* a threading.Lock: it waits with the GIL released */
+    r = PyObject_CallMethodNoArgs(lock, s_acquire);
+    if (!r) {
+      Py_DECREF(lock);
+      return -1;
+    }
+    Py_DECREF(r);
+    PyObject *waiting = optional(ATTR(window, s_waiting)), *inflight = optional(ATTR(window, s_inflight)),
+             *limit = optional(ATTR(window, s_window));
     if (waiting && inflight && limit && PyLong_Check(limit)) {
       Py_ssize_t queued = PyObject_Length(waiting), held = PyObject_Length(inflight), most = PyLong_AsSsize_t(limit);
       if (queued < 0 || held < 0 || PyErr_Occurred()) {
@@ -1207,7 +1260,10 @@ static int window_admit(PyObject *window, PyObject *op) {
     Py_XDECREF(waiting);
     Py_XDECREF(inflight);
     Py_XDECREF(limit);
-    rc = lock_give(window, s_lock, rc);
+    PyObject *release = PyObject_GetAttr(lock, s_release);
+    rc = release ? call_keeping_error(release, rc) : -1;
+    Py_XDECREF(release);
+    Py_DECREF(lock);
     if (rc) return rc;
   }
   PyObject *ops = PyTuple_Pack(1, op);
@@ -1342,23 +1398,23 @@ static int same(PyObject *a, PyObject *b) { /* a == b for str or int objects tha
 static int buffer_handle(PyObject *dev, PyObject *devname, PyObject *buf, PyObject **handle) {
   *handle = NULL;
   if (Py_TYPE(buf) != g_buffer_type) return 0;
-  PyObject *device = BUF_GET(buf, B_DEVICE, s_device), *base = NULL, *owner = NULL;
+  PyObject *device = ATTR(buf, s_device), *base = NULL, *owner = NULL;
   int rc = -1;
   if (!device) return -1;
   if (!same(device, devname)) {
     rc = 0;
     goto out;
   }
-  base = BUF_GET(buf, B_BASE, s_base);
-  *handle = base ? BUF_GET(buf, B_HANDLE, s_handle) : NULL;
+  base = ATTR(buf, s_base);
+  *handle = base ? ATTR(buf, s_handle) : NULL;
   if (!*handle) goto out;
   rc = 0;
   if (*handle == Py_None) goto out;
   PyObject *root = base == Py_None ? buf : base;
   if (root != buf) { /* a view: of the root's present allocation */
-    PyObject *root_handle = BUF_GET(root, B_HANDLE, s_handle);
-    PyObject *g = root_handle ? BUF_GET(buf, B_GENERATION, s_generation) : NULL;
-    PyObject *rg = g ? BUF_GET(root, B_GENERATION, s_generation) : NULL;
+    PyObject *root_handle = ATTR(root, s_handle);
+    PyObject *g = root_handle ? ATTR(buf, s_generation) : NULL;
+    PyObject *rg = g ? ATTR(root, s_generation) : NULL;
     int ok = rg && root_handle != Py_None && same(g, rg);
     Py_XDECREF(rg);
     Py_XDECREF(g);
@@ -1366,7 +1422,7 @@ static int buffer_handle(PyObject *dev, PyObject *devname, PyObject *buf, PyObje
     if (PyErr_Occurred()) rc = -1;
     if (!ok) goto out;
   }
-  owner = BUF_GET(root, B_OWNER, s_owner);
+  owner = ATTR(root, s_owner);
   if (!owner) {
     rc = -1;
     goto out;
@@ -1396,7 +1452,7 @@ static int pack_args(PyObject *kinds, PyObject *const *handles, Py_ssize_t nbufs
     int kind = plan[2 * i], bits = plan[2 * i + 1];
     if (kind == 'p') {
       if (bi == nbufs || !PyLong_CheckExact(handles[bi])) goto python;
-      uint64_t address = PyLong_AsUnsignedLongLong(handles[bi++]);
+      uint64_t address = as_u64(handles[bi++]);
       if (address == (uint64_t)-1 && PyErr_Occurred()) goto python;
       memcpy(word, &address, 8);
       continue;
@@ -1446,7 +1502,7 @@ static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
   int ready = device_ready(dev);
   if (ready <= 0) return ready < 0 ? NULL : Py_NewRef(Py_None);
-  PyObject *owner = PyObject_GetAttr(prog, s_device), *plan = NULL, *devname = NULL, *engine = NULL;
+  PyObject *owner = ATTR(prog, s_device), *plan = NULL, *devname = NULL, *engine = NULL;
   PyObject *outs = NULL, *reads = NULL, *writes = NULL, *body = NULL, *name = NULL, *packed = NULL, *result = NULL;
   PyObject *handles[16];
   Py_ssize_t nbufs = PyTuple_GET_SIZE(bufs), nh = 0;
@@ -1455,13 +1511,13 @@ static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
   }
   if (owner != dev || nbufs > 16) goto python;
-  plan = PyObject_GetAttr(prog, s_plan);
+  plan = ATTR(prog, s_plan);
   if (!plan || !PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) != 2) goto python; /* (the bound callable, kinds or None) */
   PyObject *fn = PyTuple_GET_ITEM(plan, 0), *kinds = PyTuple_GET_ITEM(plan, 1);
   devname = PyObject_GetAttr(dev, s_name);
   engine = devname ? PyObject_GetAttr(dev, s_compute) : NULL;
-  outs = engine ? PyObject_GetAttr(prog, s_outs) : NULL;
-  name = outs ? PyObject_GetAttr(prog, s_name) : NULL;
+  outs = engine ? ATTR(prog, s_outs) : NULL;
+  name = outs ? ATTR(prog, s_name) : NULL;
   if (!name) goto error;
   for (; nh < nbufs; nh++) {
     int ok = buffer_handle(dev, devname, PyTuple_GET_ITEM(bufs, nh), &handles[nh]);
@@ -1495,7 +1551,7 @@ static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
   if (!reads || !writes) goto error;
   if (kinds == Py_None) { /* a program that takes any buffers and no scalars, and is called with no arguments */
     if (PySequence_Fast_GET_SIZE(vals)) goto python;
-    body = Py_BuildValue("[(iOO())]", C_EXEC, name, fn);
+    body = one_command(tuple_of(4, PyLong_FromLong(C_EXEC), Py_NewRef(name), Py_NewRef(fn), PyTuple_New(0)));
   } else {
     if (!PyBytes_Check(kinds)) goto python;
     int ok = pack_args(kinds, handles, nbufs, vals, &packed);
@@ -1503,8 +1559,9 @@ static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
       if (ok < 0) goto error;
       goto python;
     }
-    body = Py_BuildValue("[(iOO(OK))]", C_EXEC, name, fn, packed,
-                         (unsigned long long)(uintptr_t)PyBytes_AS_STRING(packed));
+    PyObject *address = PyLong_FromVoidPtr(PyBytes_AS_STRING(packed));
+    body = one_command(
+        tuple_of(4, PyLong_FromLong(C_EXEC), Py_NewRef(name), Py_NewRef(fn), tuple_of(2, Py_NewRef(packed), address)));
   }
   if (!body) goto error;
   result = do_submit(engine, name, body, reads, writes, bufs, Py_None, window);
@@ -1564,10 +1621,10 @@ static int pin_plain(PyObject *data, int writable, PyObject **holder, uint64_t *
 
 /* AccessLog.conflicts_on: whether an access to `buf` would wait for an unfinished op of `engine`. 1, 0, -1. */
 static int conflicts_on(PyObject *buf, PyObject *engine, int write) {
-  PyObject *log = BUF_GET(buf, B_LOG, s_log);
-  PyObject *entries = log ? LOG_ENTRIES(log) : NULL;
-  PyObject *off = entries ? BUF_GET(buf, B_OFFSET, s_offset) : NULL;
-  PyObject *size = off ? BUF_GET(buf, B_NBYTES, s_nbytes) : NULL;
+  PyObject *log = ATTR(buf, s_log);
+  PyObject *entries = log ? ATTR(log, s_entries) : NULL;
+  PyObject *off = entries ? ATTR(buf, s_offset) : NULL;
+  PyObject *size = off ? ATTR(buf, s_nbytes) : NULL;
   int rc = -1;
   if (!size) goto out;
   if (!PyList_Check(entries)) {
@@ -1636,14 +1693,14 @@ static PyObject *copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   if (!devname) return NULL;
   int ok = buffer_handle(dev, devname, buf, &handle);
   if (ok <= 0) goto checked;
-  size = BUF_GET(buf, B_NBYTES, s_nbytes);
+  size = ATTR(buf, s_nbytes);
   Py_ssize_t want = size ? PyLong_AsSsize_t(size) : -1;
   if (want < 0) {
     ok = -1;
     goto checked;
   }
   if (out_copy && into == Py_None) { /* typed(zeroed(nbytes), buf.dtype), as copyout makes it */
-    PyObject *dtype = BUF_GET(buf, B_DTYPE, s_dtype);
+    PyObject *dtype = ATTR(buf, s_dtype);
     PyObject *fresh = dtype ? PyObject_CallOneArg(g_zeroed, size) : NULL;
     dest = fresh ? PyObject_CallFunctionObjArgs(g_typed, fresh, dtype, NULL) : NULL;
     Py_XDECREF(fresh);
@@ -1687,10 +1744,10 @@ static PyObject *copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     ok = -1;
     goto checked;
   }
-  if (out_copy)
-    body = Py_BuildValue("[(iOOKOn)]", C_COPY, name, fn, (unsigned long long)address, handle, nbytes);
-  else
-    body = Py_BuildValue("[(iOOOKn)]", C_COPY, name, fn, handle, (unsigned long long)address, nbytes);
+  PyObject *host = PyLong_FromUnsignedLongLong(address);
+  body = one_command(tuple_of(6, PyLong_FromLong(C_COPY), Py_NewRef(name), Py_NewRef(fn),
+                              out_copy ? host : Py_NewRef(handle), out_copy ? Py_NewRef(handle) : host,
+                              PyLong_FromSsize_t(nbytes)));
   bufs = body ? PyTuple_Pack(1, buf) : NULL;
   keep = bufs ? PyTuple_Pack(2, holder, buf) : NULL;
   if (!keep) {
@@ -1733,8 +1790,9 @@ static PyObject *state(PyObject *self, PyObject *args) {
     PyErr_SetString(PyExc_ValueError, "state: a native engine's addresses expected");
     return NULL;
   }
-  engine_state *st = PyMem_Calloc(1, sizeof *st);
-  if (!st) return PyErr_NoMemory();
+  engine_state *st = PyObject_New(engine_state, &state_type);
+  if (!st) return NULL;
+  for (int i = 0; i < STATE_OBJECTS; i++) state_objects(st)[i] = NULL;
   st->signal = (uint64_t *)(uintptr_t)signal;
   st->core = (void *)(uintptr_t)core;
   st->failures = (uint64_t *)(uintptr_t)failures;
@@ -1742,12 +1800,6 @@ static PyObject *state(PyObject *self, PyObject *args) {
   st->failed = Py_NewRef(failed);
   st->inflight = Py_NewRef(inflight);
   st->keeps = Py_NewRef(keeps);
-  PyObject *capsule = PyCapsule_New(st, STATE_NAME, free_state);
-  if (!capsule) {
-    for (int i = 0; i < STATE_OBJECTS; i++) Py_XDECREF(state_objects(st)[i]);
-    PyMem_Free(st);
-    return NULL;
-  }
   st->acquire = PyObject_GetAttr(lock, s_acquire);
   st->release = st->acquire ? PyObject_GetAttr(lock, s_release) : NULL;
   st->retire_acquire = st->release ? PyObject_GetAttr(retire_lock, s_acquire) : NULL;
@@ -1756,19 +1808,19 @@ static PyObject *state(PyObject *self, PyObject *args) {
   st->popleft = st->append ? PyObject_GetAttr(inflight, s_popleft) : NULL;
   st->keep_append = st->popleft ? PyObject_GetAttr(keeps, s_append) : NULL;
   st->keep_popleft = st->keep_append ? PyObject_GetAttr(keeps, s_popleft) : NULL;
-  if (!st->keep_popleft) Py_CLEAR(capsule); /* frees what it got */
-  return capsule;
+  if (!st->keep_popleft) Py_CLEAR(st); /* lets go of what it got */
+  return (PyObject *)st;
 }
 
 static PyObject *init(PyObject *self, PyObject *args) {
   (void)self;
   PyObject *op_type, *native_type, *entry_type, *nothing, *native_copies, *op_ids, *protect, *wait_kind;
-  PyObject *buffer_type, *log_type, *recorder, *dispatch, *zeroed, *typed, *new_cells, *name_id, *record_deps_fn;
+  PyObject *buffer_type, *recorder, *dispatch, *zeroed, *typed, *new_cells, *name_id, *record_deps_fn;
   unsigned long long submit_address, held, abandoned, pend_new, pend_on_sig, pend_on_pend, pend_go;
   Py_ssize_t cells;
-  if (!PyArg_ParseTuple(args, "KKKKKKKnOOOOOOOOOOOOOOOOO", &submit_address, &pend_new, &pend_on_sig, &pend_on_pend,
+  if (!PyArg_ParseTuple(args, "KKKKKKKnOOOOOOOOOOOOOOOO", &submit_address, &pend_new, &pend_on_sig, &pend_on_pend,
                         &pend_go, &held, &abandoned, &cells, &op_type, &native_type, &entry_type, &nothing,
-                        &native_copies, &op_ids, &protect, &wait_kind, &buffer_type, &log_type, &recorder, &dispatch, &zeroed,
+                        &native_copies, &op_ids, &protect, &wait_kind, &buffer_type, &recorder, &dispatch, &zeroed,
                         &typed, &new_cells, &name_id, &record_deps_fn))
     return NULL;
   if (!PyCallable_Check(name_id) || !PyCallable_Check(record_deps_fn)) {
@@ -1788,16 +1840,11 @@ static PyObject *init(PyObject *self, PyObject *args) {
   g_cells = cells;
   g_new_cells = Py_NewRef(new_cells);
   if (!PyType_Check(op_type) || !PyType_Check(native_type) || !PyType_Check(entry_type) || !PyDict_Check(nothing) ||
-      !PyDict_Check(native_copies) || !PyType_Check(buffer_type) || !PyType_Check(log_type) || !submit_address) {
+      !PyDict_Check(native_copies) || !PyType_Check(buffer_type) || !submit_address) {
     PyErr_SetString(PyExc_TypeError, "init: types, dicts and the address of ar_submit expected");
     return NULL;
   }
-  if (slot_offsets(op_type, slot_names, g_off, N_SLOTS) ||
-      slot_offsets(buffer_type, buffer_slot_names, g_buffer_off, N_BUFFER_SLOTS) ||
-      slot_offsets(log_type, log_slot_names, &g_entries_off, 1) ||
-      slot_offsets(native_type, engine_slot_names, g_engine_off, 2) ||
-      slot_offsets((PyObject *)Py_TYPE(recorder), recorder_slot_names, &g_enabled_off, 1))
-    return NULL;
+  if (slot_offsets(op_type, slot_names, g_off, N_SLOTS)) return NULL;
   g_submit = (submit_fn)(uintptr_t)submit_address;
   g_held = held;
   g_abandoned = abandoned;
@@ -1810,7 +1857,6 @@ static PyObject *init(PyObject *self, PyObject *args) {
   g_protect = Py_NewRef(protect);
   g_wait_kind = Py_NewRef(wait_kind);
   g_buffer_type = (PyTypeObject *)Py_NewRef(buffer_type);
-  g_log_type = (PyTypeObject *)Py_NewRef(log_type);
   g_recorder = Py_NewRef(recorder);
   g_dispatch = Py_NewRef(dispatch);
   g_zeroed = Py_NewRef(zeroed);
@@ -1873,7 +1919,7 @@ static int put_copy(PyObject *body, PyObject *hole, PyObject *inputs, PyObject *
   PyObject *host = PyTuple_GET_ITEM(hole, 2), *size = PyTuple_GET_ITEM(hole, 3), *handle = PyTuple_GET_ITEM(hole, 4);
   Py_ssize_t want = PyLong_AsSsize_t(size);
   if (want == -1 && PyErr_Occurred()) return -1;
-  uint64_t h = PyLong_AsUnsignedLongLong(handle);
+  uint64_t h = as_u64(handle);
   if (h == (uint64_t)-1 && PyErr_Occurred()) return -1;
   if (at < 0 || at >= PyList_GET_SIZE(body)) return 0;
   PyObject *old = PyList_GET_ITEM(body, at);
@@ -1985,7 +2031,7 @@ static PyMethodDef methods[] = {
      "deque, python ops dict, failures dict): a native engine's `_fast_state`"},
     {"init", init, METH_VARARGS,
      "init(the addresses of ar_submit, ar_pend_new, ar_pend_on_sig, ar_pend_on_pend and ar_pend_go, HELD, ABANDONED, "
-     "CELLS, Op, NativeEngine, Entry, nothing, copies, ids, protect, WAIT, Buffer, AccessLog, recorder, "
+     "CELLS, Op, NativeEngine, Entry, nothing, copies, ids, protect, WAIT, Buffer, recorder, "
      "dispatch_when_ready, zeroed, typed, new_cells, name_id, record_deps)"},
     {NULL, NULL, 0, NULL},
 };
@@ -2018,5 +2064,6 @@ PyMODINIT_FUNC PyInit__submit(void) {
     *names[i].where = PyUnicode_InternFromString(names[i].text);
     if (!*names[i].where) return NULL;
   }
+  if (PyType_Ready(&state_type) < 0) return NULL;
   return PyModule_Create(&module);
 }

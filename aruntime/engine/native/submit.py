@@ -76,7 +76,6 @@ def _build(lib: ctypes.CDLL, native_type: type, new_cells: Callable[[], Sized], 
     from aruntime.engine.ops import ABANDONED, HELD, WAIT, Op, protect
     from aruntime.events import op_ids, recorder
     from aruntime.memory import Buffer, typed, zeroed
-    from aruntime.memory.hazards import AccessLog
 
     src = resources.files(__package__).joinpath("submit.c").read_text()
     name = f"{__package__}._submit"
@@ -85,7 +84,7 @@ def _build(lib: ctypes.CDLL, native_type: type, new_cells: Callable[[], Sized], 
     addresses = (ctypes.cast(f, ctypes.c_void_p).value for f in functions)
     module.init(
         *addresses, HELD, ABANDONED, len(new_cells()), Op, native_type, Entry, _NOTHING, _NATIVE_COPIES, op_ids,
-        protect, WAIT, Buffer, AccessLog, recorder, dispatch_when_ready, zeroed, typed, new_cells, name_id,
+        protect, WAIT, Buffer, recorder, dispatch_when_ready, zeroed, typed, new_cells, name_id,
         _record_deps,
     )  # fmt: skip
     return module
