@@ -96,26 +96,30 @@ typedef struct {
   Py_ssize_t off;
 } attr_site;
 
-/* The address of `o`'s slot `name`, found through `site` (which it updates for a new type, or a type changed
- * since); NULL where `name` is not a plain slot of o's type (a property, a class attribute, an entry of the
- * instance dict, a type with its own __getattribute__ or __setattr__). */
-static PyObject **slot_of(PyObject *o, PyObject *name, attr_site *site) {
+/* Where `name` lies in objects of o's type, looked up for `site` (a new type, or a type changed since). */
+static void find_slot(PyObject *o, PyObject *name, attr_site *site) {
   PyTypeObject *t = Py_TYPE(o);
-  if (t != site->type || t->tp_version_tag != site->version) {
-    PyObject *d = _PyType_Lookup(t, name); /* borrowed; gives the type a version tag where it can have one */
-    site->off = -1;
-    if (d && Py_IS_TYPE(d, &PyMemberDescr_Type) && ((PyMemberDescrObject *)d)->d_member->type == T_OBJECT_EX &&
-        t->tp_getattro == PyObject_GenericGetAttr && t->tp_setattro == PyObject_GenericSetAttr &&
-        (t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG))
-      site->off = ((PyMemberDescrObject *)d)->d_member->offset;
-    Py_XSETREF(site->type, (PyTypeObject *)Py_NewRef(t));
-    site->version = t->tp_version_tag;
-  }
+  PyObject *d = _PyType_Lookup(t, name); /* borrowed; gives the type a version tag where it can have one */
+  site->off = -1;
+  if (d && Py_IS_TYPE(d, &PyMemberDescr_Type) && ((PyMemberDescrObject *)d)->d_member->type == T_OBJECT_EX &&
+      t->tp_getattro == PyObject_GenericGetAttr && t->tp_setattro == PyObject_GenericSetAttr &&
+      (t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG))
+    site->off = ((PyMemberDescrObject *)d)->d_member->offset;
+  Py_XSETREF(site->type, (PyTypeObject *)Py_NewRef(t));
+  site->version = t->tp_version_tag;
+}
+
+/* The address of `o`'s slot `name`, found through `site`; NULL where `name` is not a plain slot of o's type (a
+ * property, a class attribute, an entry of the instance dict, a type with its own __getattribute__ or
+ * __setattr__). */
+static inline PyObject **slot_of(PyObject *o, PyObject *name, attr_site *site) {
+  PyTypeObject *t = Py_TYPE(o);
+  if (__builtin_expect(t != site->type || t->tp_version_tag != site->version, 0)) find_slot(o, name, site);
   return site->off < 0 ? NULL : (PyObject **)((char *)o + site->off);
 }
 
 /* o.name (a new reference): read where it lies for a slot that is set, else getattr(o, name). */
-static PyObject *get_attr(PyObject *o, PyObject *name, attr_site *site) {
+static inline PyObject *get_attr(PyObject *o, PyObject *name, attr_site *site) {
   PyObject **slot = slot_of(o, name, site);
   return slot && *slot ? Py_NewRef(*slot) : PyObject_GetAttr(o, name);
 }
