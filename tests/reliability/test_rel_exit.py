@@ -97,8 +97,11 @@ def test_work_that_cannot_finish_is_named_at_exit_and_the_process_still_ends(tmp
 
 
 def test_ctrl_c_stops_the_wait_at_exit_which_says_what_it_waits_for(tmp_path: Path) -> None:
+    # Ctrl-C raises KeyboardInterrupt as in a terminal, also where the suite runs with SIGINT ignored (a background
+    # job, nohup), which a child would inherit
+    script = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n" + STUCK
     proc = subprocess.Popen(
-        [sys.executable, "-c", STUCK, str(tmp_path / "stuck.bin")],
+        [sys.executable, "-c", script, str(tmp_path / "stuck.bin")],
         env={**os.environ, "ARUNTIME_WAIT_TIMEOUT": "600"},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
