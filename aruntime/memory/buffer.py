@@ -192,10 +192,8 @@ class Buffer:
     @property
     def owner(self) -> BaseDevice:
         """The device this buffer lives on (opened on first use; a root keeps the one it was allocated on)."""
-        root = self.base
-        if root._owner is None:
-            return _open_device(self.device)
-        return root._owner
+        owner = (self if self._base is None else self._base)._owner
+        return _open_device(self.device) if owner is None else owner
 
     @property
     def allocator(self) -> Allocator[Any]:
