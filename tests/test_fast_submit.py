@@ -428,3 +428,28 @@ async def test_attributes_read_in_place_follow_a_subclass_and_a_changed_class() 
         assert await _admitted(dev, _LaterScheduler(window=1024)) == [True, True, True, False, False]
     finally:
         delattr(_LaterScheduler, "window")
+
+
+class _Foreign:
+    """A class with more slots than a Scheduler has before ``window``: its ``window`` lies elsewhere."""
+
+    __slots__ = ("a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l", "m", "n", "o", "p", "window")
+
+
+async def test_another_classs_slot_put_on_a_class_is_an_error_not_a_read_of_the_wrong_memory() -> None:
+    """A member descriptor of another class, put on a scheduler's class, applies to no scheduler: the C path
+    raises the TypeError Python raises instead of reading the scheduler at the other class's offset."""
+    dev = Device["CPU:5"]
+    _fast(dev)
+    add = await dev.compile(ADD_ONE, outs=(0,))
+    buf = await dev.allocate(8)
+    sched = _LaterScheduler(window=1024)
+    async with sched:
+        sched.launch(add, buf, vals=(8,))  # the window's slot read once, in place
+        setattr(_LaterScheduler, "window", vars(_Foreign)["window"])  # noqa: B010  (mypy refuses the assignment)
+        try:
+            with pytest.raises(TypeError, match="doesn't apply"):
+                for _ in range(2_000):  # past the window's room, whichever read comes first
+                    sched.launch(add, buf, vals=(8,))
+        finally:
+            delattr(_LaterScheduler, "window")

@@ -101,9 +101,11 @@ static void find_slot(PyObject *o, PyObject *name, attr_site *site) {
   PyTypeObject *t = Py_TYPE(o);
   PyObject *d = _PyType_Lookup(t, name); /* borrowed; gives the type a version tag where it can have one */
   site->off = -1;
-  if (d && Py_IS_TYPE(d, &PyMemberDescr_Type) && ((PyMemberDescrObject *)d)->d_member->type == T_OBJECT_EX &&
-      t->tp_getattro == PyObject_GenericGetAttr && t->tp_setattro == PyObject_GenericSetAttr &&
-      (t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG))
+  /* a plain slot (an object member, no flags) of t or a base of t, in a type that reads and writes attributes as
+   * object does and has a version tag (PyType_Modified sets it to 0: a changed class is looked up again) */
+  if (d && Py_IS_TYPE(d, &PyMemberDescr_Type) && PyType_IsSubtype(t, PyDescr_TYPE(d)) &&
+      ((PyMemberDescrObject *)d)->d_member->type == T_OBJECT_EX && ((PyMemberDescrObject *)d)->d_member->flags == 0 &&
+      t->tp_getattro == PyObject_GenericGetAttr && t->tp_setattro == PyObject_GenericSetAttr && t->tp_version_tag)
     site->off = ((PyMemberDescrObject *)d)->d_member->offset;
   Py_XSETREF(site->type, (PyTypeObject *)Py_NewRef(t));
   site->version = t->tp_version_tag;
@@ -248,8 +250,9 @@ static PyTypeObject state_type = {
 static engine_state *state_of(PyObject *engine) {
   PyObject *st = ATTR(engine, s_fast_state);
   if (!st) return NULL;
-  Py_DECREF(st); /* the engine holds it */
-  if (Py_IS_TYPE(st, &state_type)) return (engine_state *)st;
+  int ok = Py_IS_TYPE(st, &state_type);
+  Py_DECREF(st); /* where it is one, the engine holds it */
+  if (ok) return (engine_state *)st;
   PyErr_Format(PyExc_TypeError, "%R holds no native engine state", engine);
   return NULL;
 }
@@ -1240,15 +1243,19 @@ static int window_admit(PyObject *window, PyObject *op) {
   PyObject *lock = optional(ATTR(window, s_lock)), *r;
   if (!lock && PyErr_Occurred()) return -1;
   int rc = 0;
-  if (lock) { /* a threading.Lock: it waits with the GIL released */
-    r = PyObject_CallMethodNoArgs(lock, s_acquire);
+  if (lock) { /* a threading.Lock: it waits with the GIL released; what lets it go is had before it is taken */
+    PyObject *acquire = PyObject_GetAttr(lock, s_acquire), *release = acquire ? PyObject_GetAttr(lock, s_release) : NULL;
+    r = release ? PyObject_CallNoArgs(acquire) : NULL;
+    Py_XDECREF(acquire);
     if (!r) {
+      Py_XDECREF(release);
       Py_DECREF(lock);
       return -1;
     }
     Py_DECREF(r);
-    PyObject *waiting = optional(ATTR(window, s_waiting)), *inflight = optional(ATTR(window, s_inflight)),
-             *limit = optional(ATTR(window, s_window));
+    PyObject *waiting = optional(ATTR(window, s_waiting));
+    PyObject *inflight = waiting ? optional(ATTR(window, s_inflight)) : NULL;
+    PyObject *limit = inflight ? optional(ATTR(window, s_window)) : NULL;
     if (waiting && inflight && limit && PyLong_Check(limit)) {
       Py_ssize_t queued = PyObject_Length(waiting), held = PyObject_Length(inflight), most = PyLong_AsSsize_t(limit);
       if (queued < 0 || held < 0 || PyErr_Occurred()) {
@@ -1264,9 +1271,8 @@ static int window_admit(PyObject *window, PyObject *op) {
     Py_XDECREF(waiting);
     Py_XDECREF(inflight);
     Py_XDECREF(limit);
-    PyObject *release = PyObject_GetAttr(lock, s_release);
-    rc = release ? call_keeping_error(release, rc) : -1;
-    Py_XDECREF(release);
+    rc = call_keeping_error(release, rc);
+    Py_DECREF(release);
     Py_DECREF(lock);
     if (rc) return rc;
   }
