@@ -1244,9 +1244,8 @@ static int window_admit(PyObject *window, PyObject *op) {
   if (!lock && PyErr_Occurred()) return -1;
   int rc = 0;
   if (lock) { /* a threading.Lock: it waits with the GIL released; what lets it go is had before it is taken */
-    PyObject *acquire = PyObject_GetAttr(lock, s_acquire), *release = acquire ? PyObject_GetAttr(lock, s_release) : NULL;
-    r = release ? PyObject_CallNoArgs(acquire) : NULL;
-    Py_XDECREF(acquire);
+    PyObject *release = PyObject_GetAttr(lock, s_release);
+    r = release ? PyObject_CallMethodNoArgs(lock, s_acquire) : NULL; /* no bound method made */
     if (!r) {
       Py_XDECREF(release);
       Py_DECREF(lock);
