@@ -155,6 +155,32 @@ async def test_awaiting_the_end_of_a_held_chain_wakes_the_loop_a_few_times(monke
         assert list(await devs[0].copyout(a)) == [i + 200 for i in range(n)]
 
 
+async def test_ops_pending_in_the_core_are_retired_in_batches() -> None:
+    """Every kernel of a scheduled pipeline waits for its copy-in on the other queue, so its compute queue gets
+    all of its ops through the core and none straight: those that are done are still retired in batches, as a
+    queue's other ops are (what they keep alive is let go, and each retire looks at a batch, not at every op
+    the queue was ever given)."""
+    from aruntime.engine import NativeEngine
+    from aruntime.engine.native.engine import RETIRE_EVERY
+
+    dev = Device["CPU:3"]
+    if not isinstance(dev.compute, NativeEngine):
+        pytest.skip("the Python engine keeps no ops pending in a core")
+    prog = await dev.compile(INC, outs=(0,))
+    n = 1 << 15  # copies on the copy queue (over inline_copy_max)
+    async with dev.buffer(n, dtypes.int32) as buf:
+        async with Scheduler() as sched:
+            for i in range(300):
+                sched.copyin(buf, array.array("i", [i] * n))
+                sched.launch(prog, buf, vals=(n,))
+                out = sched.copyout(buf)
+                if i % 10 == 9:
+                    assert list(await out) == [i + 1] * n  # all of this round is done
+                    assert len(dev.compute._pended) <= RETIRE_EVERY + 1
+        assert dev.compute.held == set()
+        assert out.engine is dev.copy
+
+
 async def test_many_tasks_each_awaiting_an_op_held_in_the_core() -> None:
     """500 tasks each await their own copy-out, held in the core behind a kernel that waits for a gate: once the
     gate opens every one gets its own data (the loop is told which ops were handed on, whatever their order)."""

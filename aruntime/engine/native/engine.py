@@ -404,6 +404,8 @@ class NativeEngine(Engine):
         lib = self._lib
         with self._lock:
             self.check_open(op.name)
+            if len(self._pended) >= RETIRE_EVERY and self._pended_done(self._pended[0]):
+                self.retire()  # in batches, as _enqueue does
             op.engine = self
             op.cmds = cmds
             records, count, keep = self._pack(cmds, op)
@@ -431,6 +433,12 @@ class NativeEngine(Engine):
                 assert isinstance(dep_engine.signal, NativeSignal)
                 lib.ar_pend_on_sig(pend, dep_engine.signal.ptr, dep.value)
         lib.ar_pend_go(pend)
+
+    def _pended_done(self, op: Op) -> bool:
+        """Whether ``op``, pending in the core, is done (or was abandoned there)."""
+        assert op.cell is not None
+        value = op.cell[op.at]
+        return value == ABANDONED or 0 < value <= self.signal.value
 
     def prepare(self, cmds: list[Command]) -> Prepared:
         """``cmds`` with their ring records packed once, where the worker runs each of them without Python."""

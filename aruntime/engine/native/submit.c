@@ -62,6 +62,7 @@ static PyTypeObject *g_op_type, *g_native_type, *g_entry_type;
 static PyObject *g_nothing, *g_native_copies, *g_op_ids, *g_protect, *g_wait_kind;
 static PyTypeObject *g_buffer_type;
 static PyObject *g_recorder, *g_dispatch, *g_zeroed, *g_typed, *g_new_cells, *g_name_id, *g_record_deps;
+static PyObject *g_later_acquire, *g_later_release; /* the methods of the lock ops.py takes to hand a held op on */
 
 /* offsets of the Op's slots */
 enum { S_AT, S_CELL, S_CMDS, S_DEPS, S_ENGINE, S_ERROR, S_GATE, S_ID, S_INPUTS, S_KEEP, S_LATER, S_NAME,
@@ -325,9 +326,48 @@ out:
 
 static uint64_t *cell_address(PyObject *op);
 
-/* Op.done(): 1, 0, or -1 on error. A retired op of a native engine, and an op held (pending in the core or not)
- * that is not handed on yet, are read here; anything else asks Op.done (which takes a pending op's value once the
- * core has handed it on). */
+/* Op._resolve for an op of `engine` pending in its core, which the core has handed to its queue with `value` (the
+ * word of its cell, not ABANDONED), where nothing waits for its dispatch or end yet: its value taken under the ops'
+ * lock and the op dropped from its engine's held set. 1 taken (or taken by another thread), 0 Python's (something
+ * waits: Op._resolve runs it), -1. */
+static int take_value(PyObject *op, PyObject *engine, uint64_t value) {
+  PyObject *r = PyObject_CallNoArgs(g_later_acquire);
+  if (!r) return -1;
+  Py_DECREF(r);
+  int rc = 1, taken = 0;
+  uint64_t now = op_value(op);
+  if (now == (uint64_t)-1 && PyErr_Occurred()) rc = -1;
+  else if (now == g_held) { /* else another thread took it */
+    PyObject *later = SLOT(op, S_LATER);
+    if (later != Py_None && PyObject_Length(later) != 0) rc = PyErr_Occurred() ? -1 : 0;
+    else {
+      PyObject *v = PyLong_FromUnsignedLongLong(value);
+      if (v) {
+        set_slot(op, S_VALUE, v);
+        set_slot(op, S_LATER, Py_None);
+        Py_DECREF(v);
+        taken = 1;
+      } else rc = -1;
+    }
+  }
+  rc = call_keeping_error(g_later_release, rc);
+  if (taken && rc == 1) { /* engine.held.discard(op) */
+    PyObject *held = ATTR(engine, s_held);
+    if (held && PySet_Check(held)) {
+      if (PySet_Discard(held, op) < 0) rc = -1;
+    } else if (held) {
+      PyObject *done = PyObject_CallMethod(held, "discard", "O", op);
+      Py_XDECREF(done);
+      if (!done) rc = -1;
+    } else rc = -1;
+    Py_XDECREF(held);
+  }
+  return rc;
+}
+
+/* Op.done(): 1, 0, or -1 on error. A retired op of a native engine, an op held (pending in the core or not) that
+ * is not handed on yet, and one the core has handed on where nothing waits for it (its value taken here, as
+ * Op._resolve does) are read here; anything else asks Op.done. */
 static int op_done(PyObject *op) {
   PyObject *engine = SLOT(op, S_ENGINE);
   if (engine == Py_None) return 0;
@@ -337,8 +377,14 @@ static int op_done(PyObject *op) {
     if (SLOT(op, S_CELL) == Py_None) return 0; /* held off any queue */
     uint64_t *cell = cell_address(op);
     if (!cell) return -1;
-    if (!__atomic_load_n(cell, __ATOMIC_ACQUIRE)) return 0; /* pending in the core, not handed on yet */
-  } else {
+    uint64_t word = __atomic_load_n(cell, __ATOMIC_ACQUIRE);
+    if (!word) return 0; /* pending in the core, not handed on yet */
+    int taken = word == g_abandoned ? 0 : take_value(op, engine, word);
+    if (taken < 0) return -1;
+    if (taken) value = op_value(op); /* the core's word, or what another thread set first */
+    if (value == (uint64_t)-1 && PyErr_Occurred()) return -1;
+  }
+  if (value != g_held) {
     uint64_t reached;
     int r = signal_value(engine, &reached);
     if (r == -2) return -1;
@@ -552,18 +598,20 @@ static int clear_op(PyObject *op, PyObject *empty, PyObject *python) {
   return 0;
 }
 
-/* The ops pending in the core (`_pended`, with `_pended_keep`) that the signal has passed (`reached`), retired as
- * NativeEngine.retire does: 1 done, 0 Python's (an op that takes timestamps, lists not as Python keeps them),
- * -1. Under the retire lock; nothing is changed unless it returns 1. */
+/* The oldest ops pending in the core (`_pended`, with `_pended_keep`) that the signal has passed (`reached`), retired
+ * as NativeEngine.retire does, up to the first that it has not: the core hands them on in about the order they
+ * came, so a batch of them costs what it retires, not what is still pending (one not yet handed on keeps those
+ * after it until it is done; none of them can have failed: see retire_plain). 1 done, 0 Python's (an op that
+ * takes timestamps, lists not as Python keeps them; those before it retired), -1. Under the retire lock. */
 static int retire_pended(PyObject *engine, uint64_t reached, PyObject *empty, PyObject *python) {
-  PyObject *ops = PyObject_GetAttr(engine, s_pended), *keeps = ops ? PyObject_GetAttr(engine, s_pended_keep) : NULL;
-  PyObject *at = keeps ? PyObject_GetAttr(engine, s_pended_at) : NULL;
-  PyObject *left = NULL, *left_keep = NULL, *cells = NULL;
+  PyObject *ops = ATTR(engine, s_pended), *keeps = ops ? ATTR(engine, s_pended_keep) : NULL;
+  PyObject *at = keeps ? ATTR(engine, s_pended_at) : NULL;
+  PyObject *cells = NULL;
   int rc = -1;
   if (!at) goto out;
   rc = 0;
   if (!PyList_Check(ops) || !PyList_Check(keeps) || PyList_GET_SIZE(ops) != PyList_GET_SIZE(keeps)) goto out;
-  Py_ssize_t n = PyList_GET_SIZE(ops);
+  Py_ssize_t n = PyList_GET_SIZE(ops), i = 0;
   rc = 1;
   if (!n) goto out;
   unsigned long long seen = as_u64(at); /* -1 (changed since) reads as an error: look */
@@ -573,29 +621,19 @@ static int retire_pended(PyObject *engine, uint64_t reached, PyObject *empty, Py
     int stopped = engine_closed(engine);
     if (stopped < 0) goto out;
     rc = 1;
-    if (!stopped) goto out; /* nothing new can be done */
+    if (!stopped) goto out; /* nothing new can be done: an op handed on since has a value past `reached` */
   }
   rc = -1;
-  left = PyList_New(0);
-  left_keep = left ? PyList_New(0) : NULL;
-  if (!left_keep) goto out;
   PyObject *cell_obj = NULL;
   const uint64_t *cell = NULL;
   Py_ssize_t cell_len = 0;
-  for (Py_ssize_t i = 0; i < n; i++) { /* first, whether every op is one this can retire */
-    PyObject *op = PyList_GET_ITEM(ops, i);
-    if (!is_op(op, "a queue's pending ops")) goto out;
-    if (takes_timestamps(PyList_GET_ITEM(keeps, i))) {
-      rc = 0;
-      goto out;
-    }
-  }
-  for (Py_ssize_t i = 0; i < n; i++) {
+  for (; i < n; i++) {
     PyObject *op = PyList_GET_ITEM(ops, i), *keep = PyList_GET_ITEM(keeps, i);
+    if (!is_op(op, "a queue's pending ops")) goto cut;
     PyObject *c = SLOT(op, S_CELL);
     if (c != cell_obj) { /* ops share cell arrays: read each one's memory once */
       Py_buffer view;
-      if (PyObject_GetBuffer(c, &view, PyBUF_SIMPLE)) goto out;
+      if (PyObject_GetBuffer(c, &view, PyBUF_SIMPLE)) goto cut;
       cell = view.buf;
       cell_len = view.len / 8;
       PyBuffer_Release(&view); /* the array is never resized: its words stay where they are */
@@ -605,28 +643,31 @@ static int retire_pended(PyObject *engine, uint64_t reached, PyObject *empty, Py
     Py_ssize_t index = PyLong_AsSsize_t(SLOT(op, S_AT));
     if (index < 0 || index >= cell_len) {
       if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "%R: its cell is out of range", op);
-      goto out;
+      goto cut;
     }
     uint64_t value = __atomic_load_n(&cell[index], __ATOMIC_ACQUIRE);
     if (value == g_abandoned) {
       set_slot(op, S_KEEP, Py_None);
       set_slot(op, S_CMDS, Py_None);
-    } else if (value && value <= reached) {
-      if (clear_op(op, empty, python)) goto out;
-    } else if (PyList_Append(left, op) || PyList_Append(left_keep, keep)) {
-      goto out;
+    } else if (!value || value > reached) {
+      break;
+    } else if (takes_timestamps(keep)) {
+      rc = 0;
+      goto cut;
+    } else if (clear_op(op, empty, python)) {
+      goto cut;
     }
   }
-  PyObject *now = PyLong_FromUnsignedLongLong(reached);
-  if (!now) goto out;
-  int set = PyObject_SetAttr(engine, s_pended, left) || PyObject_SetAttr(engine, s_pended_keep, left_keep) ||
-            PyObject_SetAttr(engine, s_pended_at, now);
-  Py_DECREF(now);
-  rc = set ? -1 : 1;
+  rc = 1;
+cut:
+  if (i && (PyList_SetSlice(ops, 0, i, NULL) || PyList_SetSlice(keeps, 0, i, NULL))) rc = -1;
+  if (rc == 1) {
+    PyObject *now = PyLong_FromUnsignedLongLong(reached);
+    if (!now || PyObject_SetAttr(engine, s_pended_at, now)) rc = -1;
+    Py_XDECREF(now);
+  }
 out:
   Py_XDECREF(cells);
-  Py_XDECREF(left_keep);
-  Py_XDECREF(left);
   Py_XDECREF(at);
   Py_XDECREF(keeps);
   Py_XDECREF(ops);
@@ -897,6 +938,37 @@ static void unregister(PyObject *engine, PyObject *op) {
   PyErr_Restore(type, value, traceback);
 }
 
+/* retire_window(inflight, failed): Scheduler._retire, under the scheduler's lock: the done ops at the head of
+ * `inflight` (its window, a deque of ops) dropped, those that failed appended to `failed` (a list); None. */
+static PyObject *retire_window(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  (void)self;
+  if (nargs != 2 || !PyList_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "retire_window(inflight: a deque of ops, failed: a list)");
+    return NULL;
+  }
+  PyObject *inflight = args[0], *failed = args[1];
+  for (;;) {
+    Py_ssize_t n = PyObject_Length(inflight);
+    if (n <= 0) {
+      if (n < 0) return NULL;
+      break;
+    }
+    PyObject *op = PySequence_GetItem(inflight, 0);
+    if (!op) return NULL;
+    int done = is_op(op, "a scheduler's window") ? op_done(op) : -1;
+    if (done > 0) {
+      PyObject *popped = PyObject_CallMethodNoArgs(inflight, s_popleft);
+      if (!popped) done = -1;
+      Py_XDECREF(popped);
+      if (done > 0 && SLOT(op, S_ERROR) != Py_None && PyList_Append(failed, op)) done = -1;
+    }
+    Py_DECREF(op);
+    if (done < 0) return NULL;
+    if (!done) break;
+  }
+  Py_RETURN_NONE;
+}
+
 /* NativeEngine._enqueue for `op`, bound for native `engine` with `cmds`, under the engine's lock: its records
  * (build_records) appended through ar_submit, the op's value set and the op kept in flight; finished ops retired
  * in batches first. Sets op.engine, op.cmds and, where `deps` is given, op.deps; `flows` (a list, or NULL): the
@@ -971,6 +1043,25 @@ static int op_dispatched(PyObject *op) {
   return truth;
 }
 
+/* NativeEngine.pend's batch retire: with RETIRE_EVERY or more ops pending in native `engine`'s core and the
+ * oldest of them done, the done ones are retired first, as _enqueue does for ops in flight. 0, or -1. */
+static int retire_pended_due(PyObject *engine) {
+  PyObject *ops = ATTR(engine, s_pended);
+  if (!ops) return -1;
+  int rc = 0;
+  if (PyList_Check(ops) && PyList_GET_SIZE(ops) >= RETIRE_EVERY) {
+    PyObject *head = PyList_GET_ITEM(ops, 0);
+    uint64_t reached, *cell;
+    rc = -1;
+    if (is_op(head, "a queue's pending ops") && !signal_value(engine, &reached) && (cell = cell_address(head))) {
+      uint64_t value = __atomic_load_n(cell, __ATOMIC_ACQUIRE);
+      rc = value == g_abandoned || (value && value <= reached) ? retire_ops(engine, reached) : 0;
+    }
+  }
+  Py_DECREF(ops);
+  return rc;
+}
+
 typedef struct {
   int on_dispatch;
   PyObject *dep; /* borrowed: held by the op's deps */
@@ -988,6 +1079,10 @@ static int pend_op(PyObject *engine, PyObject *op, PyObject *body, PyObject *dep
   void *pend = NULL;
   if (rc) { /* closed: Python's (dispatch_when_ready abandons the op) */
     rc = rc < 0 ? -1 : 0;
+    goto unlock;
+  }
+  if (retire_pended_due(engine)) {
+    rc = -1;
     goto unlock;
   }
   rc = build_records(engine, op, body, gate, recs, &nrec, &keep, &kept);
@@ -1824,18 +1919,21 @@ static PyObject *state(PyObject *self, PyObject *args) {
 static PyObject *init(PyObject *self, PyObject *args) {
   (void)self;
   PyObject *op_type, *native_type, *entry_type, *nothing, *native_copies, *op_ids, *protect, *wait_kind;
-  PyObject *buffer_type, *recorder, *dispatch, *zeroed, *typed, *new_cells, *name_id, *record_deps_fn;
+  PyObject *buffer_type, *recorder, *dispatch, *zeroed, *typed, *new_cells, *name_id, *record_deps_fn, *later_lock;
   unsigned long long submit_address, held, abandoned, pend_new, pend_on_sig, pend_on_pend, pend_go;
   Py_ssize_t cells;
-  if (!PyArg_ParseTuple(args, "KKKKKKKnOOOOOOOOOOOOOOOO", &submit_address, &pend_new, &pend_on_sig, &pend_on_pend,
+  if (!PyArg_ParseTuple(args, "KKKKKKKnOOOOOOOOOOOOOOOOO", &submit_address, &pend_new, &pend_on_sig, &pend_on_pend,
                         &pend_go, &held, &abandoned, &cells, &op_type, &native_type, &entry_type, &nothing,
                         &native_copies, &op_ids, &protect, &wait_kind, &buffer_type, &recorder, &dispatch, &zeroed,
-                        &typed, &new_cells, &name_id, &record_deps_fn))
+                        &typed, &new_cells, &name_id, &record_deps_fn, &later_lock))
     return NULL;
   if (!PyCallable_Check(name_id) || !PyCallable_Check(record_deps_fn)) {
     PyErr_SetString(PyExc_TypeError, "init: the profile's name numbering and flow recording functions expected");
     return NULL;
   }
+  g_later_acquire = PyObject_GetAttr(later_lock, s_acquire);
+  g_later_release = g_later_acquire ? PyObject_GetAttr(later_lock, s_release) : NULL;
+  if (!g_later_release) return NULL;
   g_name_id = Py_NewRef(name_id);
   g_record_deps = Py_NewRef(record_deps_fn);
   if (!pend_new || !pend_on_sig || !pend_on_pend || !pend_go || cells < 1 || !PyCallable_Check(new_cells)) {
@@ -2029,6 +2127,8 @@ static PyMethodDef methods[] = {
     {"submit", (PyCFunction)(void (*)(void))submit, METH_FASTCALL,
      "submit(engine, name, body, reads, writes, keep, result, window): the op, or None for the Python path"},
     {"retire", retire, METH_O, "retire(engine): NativeEngine.retire's work, True, or None for the Python path"},
+    {"retire_window", (PyCFunction)(void (*)(void))retire_window, METH_FASTCALL,
+     "retire_window(inflight, failed): Scheduler._retire's work on its window and failure list"},
     {"enqueue", (PyCFunction)(void (*)(void))enqueue, METH_FASTCALL,
      "enqueue(engine, cmds, op): NativeEngine._enqueue's work, True, or None for the Python path"},
     {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL,
@@ -2041,7 +2141,7 @@ static PyMethodDef methods[] = {
     {"init", init, METH_VARARGS,
      "init(the addresses of ar_submit, ar_pend_new, ar_pend_on_sig, ar_pend_on_pend and ar_pend_go, HELD, ABANDONED, "
      "CELLS, Op, NativeEngine, Entry, nothing, copies, ids, protect, WAIT, Buffer, recorder, "
-     "dispatch_when_ready, zeroed, typed, new_cells, name_id, record_deps)"},
+     "dispatch_when_ready, zeroed, typed, new_cells, name_id, record_deps, the ops' lock)"},
     {NULL, NULL, 0, NULL},
 };
 

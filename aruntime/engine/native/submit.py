@@ -40,7 +40,8 @@ Fast = Any
 """The built module: ``submit(engine, name, body, reads, writes, keep, result, window)``, ``launch(dev, prog, bufs,
 vals, outs, hold, window, priority)`` and ``copy(dev, buf, data, into, hold, window, priority)``, each returning the
 op, ``enqueue(engine, cmds, op)`` and ``retire(engine)``, returning True; each None where the Python path must
-take it (see ``submit.c``)."""
+take it (see ``submit.c``); and ``retire_window(inflight, failed)``, :meth:`Scheduler._retire
+<aruntime.scheduler.Scheduler>`'s work."""
 
 unavailable: str | None = None
 """Why the C submission path could not be built (None once it was, or before it was first asked for)."""
@@ -73,7 +74,7 @@ class _ExtensionCompiler(Compiler):
 def _build(lib: ctypes.CDLL, native_type: type, new_cells: Callable[[], Sized], name_id: Callable[[str], int]) -> Fast:
     from aruntime.engine.dispatch import _record_deps, dispatch_when_ready
     from aruntime.engine.kernel import _NATIVE_COPIES, _NOTHING, Entry
-    from aruntime.engine.ops import ABANDONED, HELD, WAIT, Op, protect
+    from aruntime.engine.ops import ABANDONED, HELD, WAIT, Op, _later_lock, protect
     from aruntime.events import op_ids, recorder
     from aruntime.memory import Buffer, typed, zeroed
 
@@ -85,9 +86,14 @@ def _build(lib: ctypes.CDLL, native_type: type, new_cells: Callable[[], Sized], 
     module.init(
         *addresses, HELD, ABANDONED, len(new_cells()), Op, native_type, Entry, _NOTHING, _NATIVE_COPIES, op_ids,
         protect, WAIT, Buffer, recorder, dispatch_when_ready, zeroed, typed, new_cells, name_id,
-        _record_deps,
+        _record_deps, _later_lock,
     )  # fmt: skip
     return module
+
+
+def loaded() -> Fast:
+    """The C submission path if it has been built (by the first native engine opened), else None."""
+    return _module
 
 
 def load(lib: ctypes.CDLL, native_type: type, new_cells: Callable[[], Sized], name_id: Callable[[str], int]) -> Fast:
