@@ -343,12 +343,22 @@ class Scheduler:
     def copyin(self, buf: Buffer, data: Any, priority: int | None = None) -> Op:
         """Enqueue a copy of host ``data`` into ``buf`` (see :meth:`BaseDevice.copyin`); ``priority``: the
         scheduler's unless given (so for each op method)."""
+        fast = submit.loaded()
+        if fast is not None:
+            made: Op | None = fast.sched_copy(self, buf, data, None, priority)
+            if made is not None:
+                return made  # the same, in C
         self._check_open()
         return buf.owner.copyin(buf, data, window=self, priority=self.priority if priority is None else priority)
 
     def copyout(self, buf: Buffer, into: Any = None, priority: int | None = None) -> Op:
         """Enqueue a copy of ``buf`` to the host; awaiting the handle gives the data (see
         :meth:`BaseDevice.copyout`)."""
+        fast = submit.loaded()
+        if fast is not None:
+            made: Op | None = fast.sched_copy(self, buf, None, into, priority)
+            if made is not None:
+                return made  # the same, in C
         self._check_open()
         return buf.owner.copyout(buf, into, window=self, priority=self.priority if priority is None else priority)
 
@@ -366,6 +376,11 @@ class Scheduler:
         priority: int | None = None,
     ) -> Op:
         """Enqueue a kernel on its device's compute queue (see :meth:`BaseDevice.launch`)."""
+        fast = submit.loaded()
+        if fast is not None:
+            made: Op | None = fast.sched_launch(self, prog, bufs, vals, outs, priority)
+            if made is not None:
+                return made  # the same, in C
         self._check_open()
         return prog.device.launch(
             prog, *bufs, vals=vals, outs=outs, window=self, priority=self.priority if priority is None else priority

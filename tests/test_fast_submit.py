@@ -153,6 +153,38 @@ async def test_the_c_and_python_paths_schedule_alike() -> None:
         assert await _program(fast, seed, scheduled=True) == await _program(slow, seed, scheduled=True)
 
 
+async def test_a_schedulers_ops_are_submitted_in_c_and_what_it_refuses_takes_the_python_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A scheduler's copy-ins, kernels and copy-outs go from its method straight to the C path, past the device's
+    Python methods; an op that path does not take (high priority, a view) goes through them, and a closed
+    scheduler is refused by its Python check."""
+    dev = Device["CPU:5"]
+    _fast(dev)
+    add = await dev.compile(ADD_ONE, outs=(0,))
+    big = dev.inline_copy_max + 4  # copies on the copy queue: the kernel waits for another queue
+    called: list[str] = []
+    for name in ("copyin", "copyout", "launch"):
+        method = getattr(BaseDevice, name)
+
+        def counted(*args: Any, _method: Any = method, _name: str = name, **kwargs: Any) -> Op:
+            called.append(_name)
+            return _method(*args, **kwargs)  # type: ignore[no-any-return]
+
+        monkeypatch.setattr(BaseDevice, name, counted)
+    async with dev.buffer(big) as buf:
+        async with Scheduler() as sched:
+            sched.copyin(buf, bytes(big))
+            sched.launch(add, buf, vals=(big,))
+            assert bytes(await sched.copyout(buf)) == b"\x01" * big
+            assert called == []
+            sched.launch(add, buf, vals=(big,), priority=-1)
+            assert bytes(await sched.copyout(buf.view(8, dtypes.uint8, 0))) == b"\x02" * 8
+            assert called == ["launch", "copyout"]
+        with pytest.raises(RuntimeError, match="not open"):
+            sched.copyin(buf, bytes(big))
+
+
 async def test_the_c_path_lets_go_of_what_its_ops_hold() -> None:
     """Sources, destinations and results are referenced while their ops run and released once they have."""
     dev = Device["CPU"]

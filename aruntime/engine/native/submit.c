@@ -212,7 +212,8 @@ static PyObject *s_log, *s_offset, *s_nbytes, *s_signal, *s_ptr, *s_timeout, *s_
     *s_check_open, *s_acquire, *s_release, *s_append, *s_failures_seen, *s_failed, *s_state, *s_open,
     *s_enabled, *s_device, *s_plan, *s_outs, *s_name, *s_compute, *s_copy, *s_base, *s_handle, *s_generation,
     *s_owner, *s_dtype, *s_copy_fn, *s_inline, *s_fast_state, *s_retire_lock, *s_popleft, *s_gate, *s_admit, *s_pended, *s_pended_keep, *s_pended_at,
-    *s_retire_python, *s_cell_at, *s_cells, *s_held, *s_request_var, *s_own_gate, *s_waiting, *s_window;
+    *s_retire_python, *s_cell_at, *s_cells, *s_held, *s_request_var, *s_own_gate, *s_waiting, *s_window,
+    *s_sched_open, *s_queued, *s_queue, *s_priority, *s_fast;
 
 /* ---- engines: what never changes while a native engine lives, in an object it holds (its `_fast_state`) ---- */
 
@@ -1883,6 +1884,99 @@ checked:
   return result;
 }
 
+/* Scheduler._check_open where it passes (open, its queue not full) and the priority of a scheduled op (`given`, or
+ * the scheduler's): 1 with `*priority` (new reference), 0 where Python must look (it raises, or a full queue
+ * makes it retire first), -1. */
+static int sched_ready(PyObject *sched, PyObject *given, PyObject **priority) {
+  PyObject *open = ATTR(sched, s_sched_open), *queued = NULL, *limit = NULL;
+  int rc = -1;
+  *priority = NULL;
+  if (!open) return -1;
+  if (open != Py_True) {
+    rc = 0;
+    goto out;
+  }
+  queued = ATTR(sched, s_queued);
+  limit = queued ? ATTR(sched, s_queue) : NULL;
+  if (!limit) goto out;
+  rc = 0;
+  if (!PyLong_CheckExact(queued) || !PyLong_CheckExact(limit)) goto out;
+  int below = PyObject_RichCompareBool(queued, limit, Py_LT);
+  if (below <= 0) {
+    rc = below;
+    goto out;
+  }
+  *priority = given == Py_None ? ATTR(sched, s_priority) : Py_NewRef(given);
+  rc = *priority ? 1 : -1;
+out:
+  Py_XDECREF(limit);
+  Py_XDECREF(queued);
+  Py_DECREF(open);
+  return rc;
+}
+
+/* Whether `engine` takes this path (its `fast` is set: an engine opened with ARUNTIME_FAST_SUBMIT=0 has none): 1, 0, -1. */
+static int engine_fast(PyObject *engine) {
+  PyObject *fast = engine ? ATTR(engine, s_fast) : NULL;
+  if (!fast) return -1;
+  int rc = fast != Py_None;
+  Py_DECREF(fast);
+  return rc;
+}
+
+/* sched_launch(sched, prog, bufs, vals, outs, priority): Scheduler.launch's op, or None for the Python path. */
+static PyObject *sched_launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 6) {
+    PyErr_SetString(PyExc_TypeError, "sched_launch(sched, prog, bufs, vals, outs, priority)");
+    return NULL;
+  }
+  PyObject *priority, *result = NULL;
+  int ready = sched_ready(args[0], args[5], &priority);
+  if (ready <= 0) return ready < 0 ? NULL : Py_NewRef(Py_None);
+  PyObject *dev = ATTR(args[1], s_device); /* launch() checks that it is a program of this device */
+  PyObject *engine = dev ? PyObject_GetAttr(dev, s_compute) : NULL;
+  int fast = engine_fast(engine);
+  if (fast > 0) {
+    PyObject *call[8] = {dev, args[1], args[2], args[3], args[4], Py_False, args[0], priority};
+    result = launch(self, call, 8);
+  } else if (!fast || !dev) { /* not a program, an engine without this path: Python's */
+    PyErr_Clear();
+    result = Py_NewRef(Py_None);
+  }
+  Py_XDECREF(engine);
+  Py_XDECREF(dev);
+  Py_DECREF(priority);
+  return result;
+}
+
+/* sched_copy(sched, buf, data, into, priority): Scheduler.copyin's op (data given) or copyout's (data None), or
+ * None for the Python path. */
+static PyObject *sched_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 5) {
+    PyErr_SetString(PyExc_TypeError, "sched_copy(sched, buf, data, into, priority)");
+    return NULL;
+  }
+  PyObject *priority, *result = NULL, *dev = NULL, *engine = NULL;
+  int ready = sched_ready(args[0], args[4], &priority);
+  if (ready <= 0) return ready < 0 ? NULL : Py_NewRef(Py_None);
+  PyObject *buf = args[1], *base = Py_TYPE(buf) == g_buffer_type ? ATTR(buf, s_base) : NULL;
+  if (base == Py_None) dev = ATTR(buf, s_owner); /* Buffer.owner of a root buffer whose device is open */
+  if (dev && dev != Py_None) engine = PyObject_GetAttr(dev, s_copy);
+  int fast = engine ? engine_fast(engine) : 0;
+  if (fast > 0) {
+    PyObject *call[7] = {dev, buf, args[2], args[3], Py_False, args[0], priority};
+    result = copy(self, call, 7);
+  } else if (fast == 0 || !engine) { /* a view, a device not opened yet, an engine without this path: Python's */
+    PyErr_Clear();
+    result = Py_NewRef(Py_None);
+  }
+  Py_XDECREF(engine);
+  Py_XDECREF(dev);
+  Py_XDECREF(base);
+  Py_DECREF(priority);
+  return result;
+}
+
 static PyObject *state(PyObject *self, PyObject *args) {
   (void)self;
   unsigned long long signal, core, failures;
@@ -2135,6 +2229,10 @@ static PyMethodDef methods[] = {
      "launch(dev, prog, bufs, vals, outs, hold, window, priority): the op, or None for the Python path"},
     {"copy", (PyCFunction)(void (*)(void))copy, METH_FASTCALL,
      "copy(dev, buf, data, into, hold, window, priority): a copy-in (data) or copy-out's op, or None"},
+    {"sched_launch", (PyCFunction)(void (*)(void))sched_launch, METH_FASTCALL,
+     "sched_launch(sched, prog, bufs, vals, outs, priority): Scheduler.launch's op, or None for the Python path"},
+    {"sched_copy", (PyCFunction)(void (*)(void))sched_copy, METH_FASTCALL,
+     "sched_copy(sched, buf, data, into, priority): Scheduler.copyin's (data) or copyout's op, or None"},
     {"state", state, METH_VARARGS,
      "state(signal address, core engine address, failures address, lock, retire lock, in-flight deque, its keep "
      "deque, python ops dict, failures dict): a native engine's `_fast_state`"},
@@ -2168,6 +2266,8 @@ PyMODINIT_FUNC PyInit__submit(void) {
       {&s_pended, "_pended"},   {&s_pended_keep, "_pended_keep"}, {&s_pended_at, "_pended_at"},
       {&s_retire_python, "_retire"}, {&s_cell_at, "_cell_at"}, {&s_cells, "_cells"}, {&s_held, "held"},
       {&s_request_var, "_request_var"}, {&s_own_gate, "_own_gate"}, {&s_waiting, "_waiting"}, {&s_window, "window"},
+      {&s_sched_open, "_open"}, {&s_queued, "_queued"}, {&s_queue, "queue"}, {&s_priority, "priority"},
+      {&s_fast, "fast"},
   };
   for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
     *names[i].where = PyUnicode_InternFromString(names[i].text);

@@ -10,7 +10,9 @@ the same rules:
 <aruntime.device.program.Program>`; plain buffers of numbers), ``submit`` from
 :meth:`BaseDevice._submit <aruntime.device.base.BaseDevice._submit>` for the other op methods (a scheduler's op
 that waits for another queue is pended in the core there too, as ``NativeEngine.pend`` does), ``enqueue`` from
-``NativeEngine._enqueue`` for an op handed on later, ``retire`` from ``NativeEngine.retire``. Anything else (an
+``NativeEngine._enqueue`` for an op handed on later, ``retire`` from ``NativeEngine.retire``, and a
+:class:`~aruntime.scheduler.Scheduler`'s own (``sched_launch`` and ``sched_copy`` from its op methods, past the
+device's, ``retire_window`` for the done ops of its window). Anything else (an
 argument to check and refuse, a view not yet bound, a program without a plan) returns None before any side
 effect and takes the Python path, which stays the reference; so does every op where the extension cannot be
 built.
@@ -40,8 +42,10 @@ Fast = Any
 """The built module: ``submit(engine, name, body, reads, writes, keep, result, window)``, ``launch(dev, prog, bufs,
 vals, outs, hold, window, priority)`` and ``copy(dev, buf, data, into, hold, window, priority)``, each returning the
 op, ``enqueue(engine, cmds, op)`` and ``retire(engine)``, returning True; each None where the Python path must
-take it (see ``submit.c``); and ``retire_window(inflight, failed)``, :meth:`Scheduler._retire
-<aruntime.scheduler.Scheduler>`'s work."""
+take it (see ``submit.c``); ``sched_launch(sched, prog, bufs, vals, outs, priority)`` and ``sched_copy(sched,
+buf, data, into, priority)``, a :class:`~aruntime.scheduler.Scheduler`'s op methods without the device's Python
+method in between (None likewise); and ``retire_window(inflight, failed)``, the scheduler's retiring of its
+window."""
 
 unavailable: str | None = None
 """Why the C submission path could not be built (None once it was, or before it was first asked for)."""
