@@ -357,7 +357,7 @@ def test_switched_off_the_python_path_serves_every_op() -> None:
 def test_without_python_headers_the_python_path_serves_every_op() -> None:
     """A build that fails (no ``Python.h``) leaves the reason in ``unavailable``; ops run as before."""
     code = "import aruntime.engine.native.submit as s; s._include = lambda: '/nonexistent'\n" + PIPELINE
-    out = _run(code, ARUNTIME_DISABLE_COMPILER_CACHE="1", ARUNTIME_ENGINE="native")
+    out = _run(code, ARUNTIME_DISABLE_COMPILER_CACHE="1", ARUNTIME_ENGINE="native", ARUNTIME_FAST_SUBMIT="1")
     assert out.startswith("True the C submission path could not be built")
     assert "Python.h" in out
 
