@@ -53,6 +53,8 @@ class BaseDevice(Closing, ProfileHooks):
     :class:`~aruntime.device.profiling.ProfileHooks`.
     """
 
+    __slots__ = ("compute", "copy", "inline_copy_max", "name", "state")  # read in place when submitting
+
     kind: ClassVar[str] = ""
     file_backed: ClassVar[bool] = False
     program_type: ClassVar[type[Program]] = Program

@@ -274,7 +274,18 @@ class NativeRangeLog(RangeLog):
 class NativeEngine(Engine):
     """An engine whose commands run on a native worker thread (see the module docstring)."""
 
-    __slots__ = ("_fast_state", "closed")  # slots: the native submission path reads them where they lie
+    __slots__ = (  # slots: the native submission path reads them where they lie
+        "_cell_at",
+        "_cells",
+        "_fast_state",
+        "_pended",
+        "_pended_at",
+        "_pended_keep",
+        "closed",
+        "failures_seen",
+        "fast",
+        "held",
+    )
     assigns_values = True  # the core numbers ops: it also hands on pending ops itself
     pends = True
     reads_gates = True
@@ -292,6 +303,8 @@ class NativeEngine(Engine):
         assert lib is not None
         # a bad ARUNTIME_FAST_SUBMIT refuses the engine before it makes anything
         fast = submit.load(lib, NativeEngine, new_cells, _name_id)
+        self.fast = None  # until its state is made (below)
+        self.failures_seen = 0
         super().__init__(device, kind, timeout)
         assert isinstance(self.signal, NativeSignal)
         self._lib = lib

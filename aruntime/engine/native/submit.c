@@ -312,7 +312,7 @@ static int failures_settled(PyObject *engine) {
   int rc = -1;
   if (!st) return -1;
   uint64_t count = __atomic_load_n(st->failures, __ATOMIC_ACQUIRE);
-  seen = PyObject_GetAttr(engine, s_failures_seen);
+  seen = ATTR(engine, s_failures_seen);
   failed = seen ? Py_NewRef(st->failed) : NULL;
   if (!failed) goto out;
   unsigned long long n = as_u64(seen);
@@ -664,7 +664,7 @@ cut:
   if (i && (PyList_SetSlice(ops, 0, i, NULL) || PyList_SetSlice(keeps, 0, i, NULL))) rc = -1;
   if (rc == 1) {
     PyObject *now = PyLong_FromUnsignedLongLong(reached);
-    if (!now || PyObject_SetAttr(engine, s_pended_at, now)) rc = -1;
+    if (!now || SET_ATTR(engine, s_pended_at, now)) rc = -1;
     Py_XDECREF(now);
   }
 out:
@@ -1089,18 +1089,18 @@ static int pend_op(PyObject *engine, PyObject *op, PyObject *body, PyObject *dep
   rc = build_records(engine, op, body, gate, recs, &nrec, &keep, &kept);
   if (rc <= 0) goto unlock;
   rc = -1;
-  at_obj = PyObject_GetAttr(engine, s_cell_at);
+  at_obj = ATTR(engine, s_cell_at);
   Py_ssize_t at = at_obj ? PyLong_AsSsize_t(at_obj) : -1;
   if (at < 0) goto unlock;
   if (at >= g_cells) { /* a new shared array of cells */
     cells = PyObject_CallNoArgs(g_new_cells);
-    if (!cells || PyObject_SetAttr(engine, s_cells, cells)) goto unlock;
+    if (!cells || SET_ATTR(engine, s_cells, cells)) goto unlock;
     at = 0;
-  } else if (!(cells = PyObject_GetAttr(engine, s_cells))) {
+  } else if (!(cells = ATTR(engine, s_cells))) {
     goto unlock;
   }
   PyObject *next = PyLong_FromSsize_t(at + 1), *index = next ? PyLong_FromSsize_t(at) : NULL;
-  int set = !index || PyObject_SetAttr(engine, s_cell_at, next);
+  int set = !index || SET_ATTR(engine, s_cell_at, next);
   if (!set) {
     set_slot(op, S_CELL, cells);
     set_slot(op, S_AT, index);
@@ -1119,7 +1119,7 @@ static int pend_op(PyObject *engine, PyObject *op, PyObject *body, PyObject *dep
     goto unlock;
   }
   PyObject *address = PyLong_FromVoidPtr(pend), *held = address ? PyLong_FromUnsignedLongLong(g_held) : NULL;
-  PyObject *empty = held ? PyTuple_New(0) : NULL, *holders = empty ? PyObject_GetAttr(engine, s_held) : NULL;
+  PyObject *empty = held ? PyTuple_New(0) : NULL, *holders = empty ? ATTR(engine, s_held) : NULL;
   if (holders) { /* Op.hold */
     set_slot(op, S_PEND, address);
     set_slot(op, S_VALUE, held);
@@ -1135,9 +1135,9 @@ static int pend_op(PyObject *engine, PyObject *op, PyObject *body, PyObject *dep
     goto unlock;
   }
   if (!engine_take(engine, 1)) { /* the pending lists, as retire() replaces them */
-    PyObject *ops = PyObject_GetAttr(engine, s_pended), *keeps = ops ? PyObject_GetAttr(engine, s_pended_keep) : NULL;
+    PyObject *ops = ATTR(engine, s_pended), *keeps = ops ? ATTR(engine, s_pended_keep) : NULL;
     PyObject *minus = keeps ? PyLong_FromLong(-1) : NULL;
-    rc = minus && !PyList_Append(ops, op) && !PyList_Append(keeps, keep) && !PyObject_SetAttr(engine, s_pended_at, minus)
+    rc = minus && !PyList_Append(ops, op) && !PyList_Append(keeps, keep) && !SET_ATTR(engine, s_pended_at, minus)
              ? 1
              : -1;
     Py_XDECREF(minus);
@@ -1483,7 +1483,7 @@ static PyObject *submit(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 
 /* Whether `dev` takes ops on this path: open. 1, 0 (the Python path), -1. */
 static int device_ready(PyObject *dev) {
-  PyObject *state = PyObject_GetAttr(dev, s_state);
+  PyObject *state = ATTR(dev, s_state);
   if (!state) return -1;
   int open = state == s_open || (PyUnicode_Check(state) && PyUnicode_Compare(state, s_open) == 0);
   Py_DECREF(state);
@@ -1619,8 +1619,8 @@ static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
   plan = ATTR(prog, s_plan);
   if (!plan || !PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) != 2) goto python; /* (the bound callable, kinds or None) */
   PyObject *fn = PyTuple_GET_ITEM(plan, 0), *kinds = PyTuple_GET_ITEM(plan, 1);
-  devname = PyObject_GetAttr(dev, s_name);
-  engine = devname ? PyObject_GetAttr(dev, s_compute) : NULL;
+  devname = ATTR(dev, s_name);
+  engine = devname ? ATTR(dev, s_compute) : NULL;
   outs = engine ? ATTR(prog, s_outs) : NULL;
   name = outs ? ATTR(prog, s_name) : NULL;
   if (!name) goto error;
@@ -1793,7 +1793,7 @@ static PyObject *copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Py_RETURN_NONE;
   int ready = device_ready(dev);
   if (ready <= 0) return ready < 0 ? NULL : Py_NewRef(Py_None);
-  PyObject *devname = PyObject_GetAttr(dev, s_name), *handle = NULL, *holder = NULL, *dest = NULL, *size = NULL;
+  PyObject *devname = ATTR(dev, s_name), *handle = NULL, *holder = NULL, *dest = NULL, *size = NULL;
   PyObject *engine = NULL, *name = NULL, *body = NULL, *fn = NULL, *result = NULL, *bufs = NULL, *keep = NULL;
   if (!devname) return NULL;
   int ok = buffer_handle(dev, devname, buf, &handle);
@@ -1826,7 +1826,7 @@ static PyObject *copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     goto checked;
   }
   fn = PyObject_GetAttr(dev, s_copy_fn);
-  PyObject *limit = fn ? PyObject_GetAttr(dev, s_inline) : NULL;
+  PyObject *limit = fn ? ATTR(dev, s_inline) : NULL;
   long long inline_max = limit ? PyLong_AsLongLong(limit) : -1;
   Py_XDECREF(limit);
   if (inline_max == -1 && PyErr_Occurred()) {
@@ -1834,12 +1834,12 @@ static PyObject *copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     goto checked;
   }
   /* BaseDevice._copy_engine: a small copy that must wait for a kernel anyway runs after it on the compute queue */
-  engine = PyObject_GetAttr(dev, s_compute);
+  engine = ATTR(dev, s_compute);
   ok = engine ? 1 : -1;
   if (engine && nbytes <= inline_max) ok = conflicts_on(buf, engine, !out_copy) ? 1 : 2;
   else ok = 2;
   if (ok == 2) {
-    Py_XSETREF(engine, PyObject_GetAttr(dev, s_copy));
+    Py_XSETREF(engine, ATTR(dev, s_copy));
     ok = engine ? 1 : -1;
   }
   if (PyErr_Occurred()) ok = -1;
@@ -1934,7 +1934,7 @@ static PyObject *sched_launch(PyObject *self, PyObject *const *args, Py_ssize_t 
   int ready = sched_ready(args[0], args[5], &priority);
   if (ready <= 0) return ready < 0 ? NULL : Py_NewRef(Py_None);
   PyObject *dev = ATTR(args[1], s_device); /* launch() checks that it is a program of this device */
-  PyObject *engine = dev ? PyObject_GetAttr(dev, s_compute) : NULL;
+  PyObject *engine = dev ? ATTR(dev, s_compute) : NULL;
   int fast = engine_fast(engine);
   if (fast > 0) {
     PyObject *call[8] = {dev, args[1], args[2], args[3], args[4], Py_False, args[0], priority};
@@ -1961,7 +1961,7 @@ static PyObject *sched_copy(PyObject *self, PyObject *const *args, Py_ssize_t na
   if (ready <= 0) return ready < 0 ? NULL : Py_NewRef(Py_None);
   PyObject *buf = args[1], *base = Py_TYPE(buf) == g_buffer_type ? ATTR(buf, s_base) : NULL;
   if (base == Py_None) dev = ATTR(buf, s_owner); /* Buffer.owner of a root buffer whose device is open */
-  if (dev && dev != Py_None) engine = PyObject_GetAttr(dev, s_copy);
+  if (dev && dev != Py_None) engine = ATTR(dev, s_copy);
   int fast = engine ? engine_fast(engine) : 0;
   if (fast > 0) {
     PyObject *call[7] = {dev, buf, args[2], args[3], Py_False, args[0], priority};
