@@ -65,6 +65,10 @@ void kernel(uint8_t *buf, int64_t n, int64_t ms) {
 }
 """
 
+COPY_QUEUE_INTS = 1 << 19
+"""int32 elements of a buffer over the default ``inline_copy_max`` (2 MiB): its copies go on the copy queue, a copy
+that reads what a kernel writes held off it until the kernel is done."""
+
 ADD_ONE = r"""
 #include <stdint.h>
 void kernel(uint8_t *buf, int64_t n) { for (int64_t i = 0; i < n; i++) buf[i] += 1; }

@@ -27,7 +27,7 @@ from aruntime import (
 from aruntime.device import BaseDevice, Program
 from aruntime.engine import CommandQueue, Op, TimelineSignal
 from aruntime.events import DependencyEvent, RangeEvent, recorder
-from tests.kernels import ACCUMULATE, ADD_ONE, SCALE, SPINS, Failing, closed_gate
+from tests.kernels import ACCUMULATE, ADD_ONE, COPY_QUEUE_INTS, SCALE, SPINS, Failing, closed_gate
 
 pytestmark = pytest.mark.anyio
 
@@ -294,7 +294,7 @@ async def test_null_device_completes_ops() -> None:
 async def test_cross_queue_wait_times_out_naming_device_queue_and_values() -> None:
     dev = Device["CPU:3"]
     gate, flag = await closed_gate(dev)
-    out = await dev.allocate(1 << 15, dtypes.int32)  # too big to ride on the compute queue
+    out = await dev.allocate(COPY_QUEUE_INTS, dtypes.int32)  # too big to ride on the compute queue
     with pytest.raises(ValueError, match="positive number of seconds"):
         dev.timeout = 0
     dev.timeout = 0.2
@@ -359,7 +359,7 @@ async def test_a_closed_device_is_forgotten_and_reopens() -> None:
 async def test_a_cross_queue_wait_is_recorded_as_a_dependency() -> None:
     dev = Device["CPU:2"]
     gate, flag = await closed_gate(dev)
-    out = await dev.allocate(1 << 15, dtypes.int32)  # too big to ride on the compute queue
+    out = await dev.allocate(COPY_QUEUE_INTS, dtypes.int32)  # too big to ride on the compute queue
     recorder.enabled = True
     try:
         mark = len(recorder.events)
@@ -480,7 +480,8 @@ async def test_synchronize_raises_the_root_failure_before_its_dependents() -> No
     dev = Device["CPU:8"]
     prog = await dev.compile(ACCUMULATE, outs=(0,))
     out, src = await dev.allocate(8), await dev.allocate(8)
-    dev.inline_copy_max = 0  # the copy-in on the copy queue, so its failure is listed after the kernel's
+    inline_before, dev.inline_copy_max = dev.inline_copy_max, 0  # the copy-in on the copy queue, so its failure
+    # is listed after the kernel's
 
     def broken_copy(dst: int, src: int, nbytes: int) -> None:
         raise OSError("disk on fire")
@@ -495,7 +496,7 @@ async def test_synchronize_raises_the_root_failure_before_its_dependents() -> No
         assert not isinstance(info.value, DependencyError)
         assert "1 more op(s) on CPU:8 failed unobserved" in getattr(info.value, "__notes__", [""])[0]
     finally:
-        dev.inline_copy_max = 64 << 10
+        dev.inline_copy_max = inline_before
 
 
 def test_a_held_wait_that_times_out_names_its_own_limit() -> None:

@@ -14,6 +14,7 @@ import pytest
 
 from aruntime import DependencyError, Device, Scheduler, dtypes
 from aruntime.engine import KernelError
+from tests.kernels import COPY_QUEUE_INTS
 
 pytestmark = pytest.mark.anyio
 
@@ -30,7 +31,7 @@ ATTEMPTS = 2000
 attempts returned the failed kernel's bytes)."""
 
 
-@pytest.mark.parametrize("elements", [1, 64 << 10], ids=["small", "large"])
+@pytest.mark.parametrize("elements", [1, COPY_QUEUE_INTS], ids=["small", "large"])
 async def test_a_reader_of_a_failed_kernel_never_sees_its_bytes(elements: int) -> None:
     """A small copy-out goes on the compute queue right behind the kernel if it is still running, else on
     the copy queue; a large one always goes on the copy queue, with a wait for the kernel."""
@@ -60,7 +61,7 @@ async def test_a_reader_of_a_failed_kernel_never_sees_its_bytes(elements: int) -
 async def test_a_scheduled_reader_of_a_failed_kernel_never_sees_its_bytes() -> None:
     dev = Device["CPU"]
     prog = await dev.compile(STATUS, outs=(0,))
-    elements = 64 << 10  # the copy-out goes on the copy queue, held off it until the kernel is done
+    elements = COPY_QUEUE_INTS  # the copy-out goes on the copy queue, held off it until the kernel is done
     zeros = array.array("i", bytes(4 * elements))
     async with dev.buffer(elements, dtypes.int32) as out:
         for attempt in range(ATTEMPTS // 4):

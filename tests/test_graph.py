@@ -74,6 +74,7 @@ async def test_replays_after_the_first_put_their_own_memory_and_progress_into_pr
     pa, pb = await a.compile(SCALE, outs=(0,)), await b.compile(SCALE, outs=(0,))
     xa, ya = await a.allocate(N, dtypes.float32), await a.allocate(N, dtypes.float32)
     xb, yb = await b.allocate(N, dtypes.float32), await b.allocate(N, dtypes.float32)
+    inline_before = a.inline_copy_max
     a.inline_copy_max = b.inline_copy_max = 0
     try:
         graph = Graph()
@@ -99,7 +100,7 @@ async def test_replays_after_the_first_put_their_own_memory_and_progress_into_pr
             graph.replay(x=floats(1), scale=1.0, y=bytearray(4))
         assert values((await graph.replay(x=floats(7), scale=3.0))["y"]) == {42.0}
     finally:
-        a.inline_copy_max = b.inline_copy_max = 64 << 10
+        a.inline_copy_max = b.inline_copy_max = inline_before
 
 
 async def test_graph_across_devices_with_transfer_and_scheduler() -> None:
@@ -226,7 +227,8 @@ async def test_a_failed_part_of_a_replay_fails_the_parts_that_consume_its_output
     dev = Device["CPU:3"]
     prog = await dev.compile(SCALE, outs=(0,))
     x, y = await dev.allocate(N, dtypes.float32), await dev.allocate(N, dtypes.float32)
-    dev.inline_copy_max = 0  # copies on the copy queue, the kernel on the compute queue: two parts per replay
+    inline_before, dev.inline_copy_max = dev.inline_copy_max, 0  # copies on the copy queue, the kernel on the
+    # compute queue: two parts per replay
 
     def broken_copy(dst: int, src: int, nbytes: int) -> None:
         raise OSError("copy engine fault")
@@ -245,4 +247,4 @@ async def test_a_failed_part_of_a_replay_fails_the_parts_that_consume_its_output
             await dev.copyout(y)  # what the failed part should have written is not valid
         assert values((await graph.replay(x=floats(3)))["y"]) == {6.0}  # a good replay makes it valid again
     finally:
-        dev.inline_copy_max = 64 << 10
+        dev.inline_copy_max = inline_before

@@ -16,7 +16,7 @@ import pytest
 
 from aruntime import Buffer, DependencyError, Device, DeviceError, OpError, Scheduler, dtypes
 from aruntime.engine import KernelError
-from tests.kernels import INC, SPINS, closed_gate
+from tests.kernels import COPY_QUEUE_INTS, INC, SPINS, closed_gate
 
 pytestmark = pytest.mark.anyio
 
@@ -54,7 +54,7 @@ async def test_a_chain_across_four_queues_completes_with_the_loop_blocked() -> N
 async def test_a_held_op_whose_dependency_failed_fails_and_the_queue_goes_on() -> None:
     dev = Device["CPU:3"]
     fail = await dev.compile(FAIL, outs=(0,))
-    big = 64 << 10  # the copy-out goes on the copy queue and waits there for the kernel
+    big = COPY_QUEUE_INTS  # the copy-out goes on the copy queue and waits there for the kernel
     async with dev.buffer(big, dtypes.int32) as buf, dev.buffer(4, dtypes.int32) as other:
         with pytest.raises(KernelError):
             async with Scheduler() as sched:
@@ -74,7 +74,7 @@ async def test_a_held_op_whose_queue_stopped_fails_instead_of_being_lost() -> No
     naming the closed queue; awaiting it does not hang."""
     dev = Device["CPU:5"]
     gate, flag = await closed_gate(dev)
-    big = await dev.allocate(64 << 10, dtypes.int32)
+    big = await dev.allocate(COPY_QUEUE_INTS, dtypes.int32)
     with anyio.fail_after(20):
         async with Scheduler() as sched:
             writer = sched.launch(gate, big, vals=(flag.handle, SPINS))
@@ -96,10 +96,10 @@ async def test_cancelling_a_scope_with_held_ops_leaves_memory_at_its_baseline() 
     baseline = dev.memory_stats()["in_use"]
     with anyio.fail_after(20):
         with anyio.CancelScope() as scope:
-            async with dev.buffer(64 << 10, dtypes.int32) as buf, Scheduler() as sched:
+            async with dev.buffer(COPY_QUEUE_INTS, dtypes.int32) as buf, Scheduler() as sched:
                 sched.launch(gate, buf, vals=(flag.handle, SPINS))
                 held = [sched.copyout(buf) for _ in range(8)]
-                held.append(sched.launch(inc, buf, vals=(64 << 10,)))
+                held.append(sched.launch(inc, buf, vals=(COPY_QUEUE_INTS,)))
                 assert not any(op.done() for op in held)
                 _open(flag)
                 scope.cancel()  # the scheduler's exit drains what is in flight, the buffer's exit frees it
@@ -167,7 +167,7 @@ async def test_ops_pending_in_the_core_are_retired_in_batches() -> None:
     if not isinstance(dev.compute, NativeEngine):
         pytest.skip("the Python engine keeps no ops pending in a core")
     prog = await dev.compile(INC, outs=(0,))
-    n = 1 << 15  # copies on the copy queue (over inline_copy_max)
+    n = COPY_QUEUE_INTS  # copies on the copy queue
     async with dev.buffer(n, dtypes.int32) as buf:
         async with Scheduler() as sched:
             for i in range(300):

@@ -20,7 +20,7 @@ from aruntime import (
     SchedulerFull,
     dtypes,
 )
-from tests.kernels import ADD_ONE, SCALE, SPINS, Failing, closed_gate, gate_output, gate_started
+from tests.kernels import ADD_ONE, COPY_QUEUE_INTS, SCALE, SPINS, Failing, closed_gate, gate_output, gate_started
 
 pytestmark = pytest.mark.anyio
 
@@ -250,7 +250,7 @@ async def test_queued_ops_are_admitted_in_order_whoever_awaits_them() -> None:
 
 async def test_held_op_lets_later_independent_work_on_its_queue_go_first() -> None:
     dev, flag, gate = await _gate("CPU:4")
-    out = await dev.allocate(1 << 15, dtypes.int32)  # too big to ride on the compute queue
+    out = await dev.allocate(COPY_QUEUE_INTS, dtypes.int32)  # too big to ride on the compute queue
     other = await dev.allocate(64)
     with anyio.fail_after(10):
         async with Scheduler() as sched:

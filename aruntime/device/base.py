@@ -81,7 +81,7 @@ class BaseDevice(Closing, ProfileHooks):
         self.allocator = self.allocator_type(name)
         self.compiler = None if self.compiler_type is None else self.compiler_type()
         timeout = getenv("WAIT_TIMEOUT", 30.0, minimum=0.001)
-        self.inline_copy_max: int = getenv("INLINE_COPY_MAX", 64 << 10, minimum=0)
+        self.inline_copy_max: int = getenv("INLINE_COPY_MAX", 1 << 20, minimum=0)
         """Copies up to this many bytes that depend on a running kernel go on the compute queue (0: never)."""
         self.compute = self._make_engine("compute", timeout)
         self.copy = self._make_engine("copy", timeout)

@@ -121,7 +121,7 @@ async def test_a_failing_copy_names_device_queue_and_op() -> None:
 async def test_waits_that_time_out_name_the_queue_and_the_held_op_and_the_device_recovers() -> None:
     dev = Device["CPU:65"]
     prog, flag = await closed_gate(dev)
-    out = await dev.allocate(1 << 18, dtypes.int32)  # 1 MiB: its copy-out goes on the copy queue
+    out = await dev.allocate(1 << 19, dtypes.int32)  # 2 MiB: its copy-out goes on the copy queue
     small = await dev.allocate(16)
     dev.timeout = 0.2
     try:
@@ -130,14 +130,14 @@ async def test_waits_that_time_out_name_the_queue_and_the_held_op_and_the_device
             await kernel
         async with Scheduler(window=2) as sched:
             held = sched.copyout(out)  # behind the kernel on another queue: held off its queue
-            with pytest.raises(SignalTimeout, match=r"copyout 1048576 B on CPU:65 copy queue: still held .* 0.2 s"):
+            with pytest.raises(SignalTimeout, match=r"copyout 2097152 B on CPU:65 copy queue: still held .* 0.2 s"):
                 await held
             sched.copyout(out)  # the window is full
             sched.copyin(small, bytes(16))  # waits in the scheduler's queue
             assert sched.queued == 1
             with pytest.raises(
                 SignalTimeout,
-                match=r"scheduler room: the window of 2 ops was full and its oldest op, copyout 1048576 B, did",
+                match=r"scheduler room: the window of 2 ops was full and its oldest op, copyout 2097152 B, did",
             ):
                 await sched.room()
             ctypes.c_int32.from_address(flag.handle).value = 1
