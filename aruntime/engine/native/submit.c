@@ -1939,7 +1939,7 @@ static PyObject *sched_launch(PyObject *self, PyObject *const *args, Py_ssize_t 
   if (fast > 0) {
     PyObject *call[8] = {dev, args[1], args[2], args[3], args[4], Py_False, args[0], priority};
     result = launch(self, call, 8);
-  } else if (!fast || !dev) { /* not a program, an engine without this path: Python's */
+  } else { /* not a program, an engine without this path: Python's, which says what is wrong */
     PyErr_Clear();
     result = Py_NewRef(Py_None);
   }
@@ -1962,11 +1962,11 @@ static PyObject *sched_copy(PyObject *self, PyObject *const *args, Py_ssize_t na
   PyObject *buf = args[1], *base = Py_TYPE(buf) == g_buffer_type ? ATTR(buf, s_base) : NULL;
   if (base == Py_None) dev = ATTR(buf, s_owner); /* Buffer.owner of a root buffer whose device is open */
   if (dev && dev != Py_None) engine = ATTR(dev, s_copy);
-  int fast = engine ? engine_fast(engine) : 0;
+  int fast = engine_fast(engine);
   if (fast > 0) {
     PyObject *call[7] = {dev, buf, args[2], args[3], Py_False, args[0], priority};
     result = copy(self, call, 7);
-  } else if (fast == 0 || !engine) { /* a view, a device not opened yet, an engine without this path: Python's */
+  } else { /* a view, a device not opened yet, an engine without this path: Python's, which says what is wrong */
     PyErr_Clear();
     result = Py_NewRef(Py_None);
   }
