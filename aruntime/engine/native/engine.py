@@ -417,7 +417,7 @@ class NativeEngine(Engine):
         lib = self._lib
         with self._lock:
             self.check_open(op.name)
-            if len(self._pended) >= RETIRE_EVERY and self._pended_done(self._pended[0]):
+            if len(self._pended) >= RETIRE_EVERY and self._oldest_pended_done():
                 self.retire()  # in batches, as _enqueue does
             op.engine = self
             op.cmds = cmds
@@ -447,8 +447,12 @@ class NativeEngine(Engine):
                 lib.ar_pend_on_sig(pend, dep_engine.signal.ptr, dep.value)
         lib.ar_pend_go(pend)
 
-    def _pended_done(self, op: Op) -> bool:
-        """Whether ``op``, pending in the core, is done (or was abandoned there)."""
+    def _oldest_pended_done(self) -> bool:
+        """Whether the oldest op pending in the core is done (or was abandoned there)."""
+        with self._retire_lock:  # retire() changes the list
+            if not self._pended:
+                return False
+            op = self._pended[0]
         assert op.cell is not None
         value = op.cell[op.at]
         return value == ABANDONED or 0 < value <= self.signal.value
