@@ -352,15 +352,10 @@ static int take_value(PyObject *op, PyObject *engine, uint64_t value) {
     }
   }
   rc = call_keeping_error(g_later_release, rc);
-  if (taken && rc == 1) { /* engine.held.discard(op) */
+  if (taken && rc == 1) { /* engine.held.discard(op): a set, as pend_op made it hold the op */
     PyObject *held = ATTR(engine, s_held);
-    if (held && PySet_Check(held)) {
-      if (PySet_Discard(held, op) < 0) rc = -1;
-    } else if (held) {
-      PyObject *done = PyObject_CallMethod(held, "discard", "O", op);
-      Py_XDECREF(done);
-      if (!done) rc = -1;
-    } else rc = -1;
+    if (!held || !PySet_Check(held) || PySet_Discard(held, op) < 0) rc = -1;
+    if (held && !PySet_Check(held)) PyErr_SetString(PyExc_TypeError, "a native engine's held ops must be a set");
     Py_XDECREF(held);
   }
   return rc;
