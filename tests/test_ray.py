@@ -41,7 +41,7 @@ LONG_MS = 1500
 
 @pytest.fixture(scope="module", autouse=True)
 def cluster() -> Iterator[None]:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         yield
     finally:
