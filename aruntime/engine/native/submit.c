@@ -59,7 +59,7 @@ static pend_go_fn g_pend_go;
 static Py_ssize_t g_cells;
 static uint64_t g_held, g_abandoned;
 static PyTypeObject *g_op_type, *g_native_type, *g_entry_type;
-static PyObject *g_nothing, *g_native_copies, *g_op_ids, *g_protect, *g_wait_kind;
+static PyObject *g_nothing, *g_native_copies, *g_op_ids, *g_wait_kind;
 static PyTypeObject *g_buffer_type;
 static PyObject *g_recorder, *g_dispatch, *g_zeroed, *g_typed, *g_new_cells, *g_name_id, *g_record_deps;
 static PyObject *g_later_acquire, *g_later_release; /* the methods of the lock ops.py takes to hand a held op on */
@@ -1030,10 +1030,21 @@ out:
 
 /* Op.dispatched: 1, 0, -1. */
 static int op_dispatched(PyObject *op) {
-  if (SLOT(op, S_ENGINE) == Py_None) return 0;
-  if (op_value(op) != g_held) return 1;
-  if (SLOT(op, S_CELL) == Py_None) return 0;
-  PyObject *d = PyObject_GetAttr(op, s_dispatched); /* reads its cell, and runs what waited for it if it was */
+  PyObject *engine = SLOT(op, S_ENGINE);
+  if (engine == Py_None) return 0;
+  uint64_t value = op_value(op);
+  if (value == (uint64_t)-1 && PyErr_Occurred()) return -1;
+  if (value != g_held) return 1;
+  if (SLOT(op, S_CELL) == Py_None) return 0; /* held off any queue */
+  uint64_t *cell = cell_address(op);
+  if (!cell) return -1;
+  uint64_t word = __atomic_load_n(cell, __ATOMIC_ACQUIRE);
+  if (!word) return 0; /* pending in the core, not handed on yet */
+  if (word != g_abandoned) { /* handed on: its value taken here where nothing waits for it, as op_done does */
+    int taken = take_value(op, engine, word);
+    if (taken) return taken;
+  }
+  PyObject *d = PyObject_GetAttr(op, s_dispatched); /* Op._resolve runs what waits for it, or abandons it */
   int truth = d ? PyObject_IsTrue(d) : -1;
   Py_XDECREF(d);
   return truth;
@@ -1377,6 +1388,29 @@ static int window_admit(PyObject *window, PyObject *op) {
 /* BaseDevice._submit for the op of `body` (one command) bound for `engine`, through `window` (a Scheduler, or
  * None): the op, handed to its queue here or by dispatch_when_ready, or None (new reference) where Python must
  * take it. */
+/* ops.protect: an op of `gate` (None: of no request) reads what the ops `inputs` write; the request of each of
+ * them from another gate is never skipped from now on, unless it was told to skip already. A gate is the array of
+ * ops.new_gate: int64 words SKIP (0), DEADLINE (1), SHARED (2), as the core reads them. 0, or -1. */
+static int protect(PyObject *inputs, PyObject *gate) {
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(inputs); i++) {
+    PyObject *other = SLOT(PyList_GET_ITEM(inputs, i), S_GATE);
+    if (other == Py_None || other == gate) continue;
+    Py_buffer view;
+    if (PyObject_GetBuffer(other, &view, PyBUF_WRITABLE | PyBUF_FORMAT)) return -1;
+    int ok = view.len == 3 * (Py_ssize_t)sizeof(int64_t) && view.itemsize == sizeof(int64_t);
+    if (ok) {
+      int64_t *words = view.buf;
+      if (!__atomic_load_n(&words[0], __ATOMIC_ACQUIRE)) __atomic_store_n(&words[2], 1, __ATOMIC_RELEASE);
+    }
+    PyBuffer_Release(&view);
+    if (!ok) {
+      PyErr_Format(PyExc_TypeError, "%U: a request's gate must be 3 int64 words", SLOT(PyList_GET_ITEM(inputs, i), S_NAME));
+      return -1;
+    }
+  }
+  return 0;
+}
+
 static PyObject *do_submit(PyObject *engine, PyObject *name, PyObject *body, PyObject *reads, PyObject *writes,
                            PyObject *keep, PyObject *result, PyObject *window) {
   if (Py_TYPE(engine) != g_native_type || !PyList_Check(body) || PyList_GET_SIZE(body) != 1 ||
@@ -1420,14 +1454,7 @@ static PyObject *do_submit(PyObject *engine, PyObject *name, PyObject *body, PyO
     int same = PyList_GET_SIZE(deps) == ni; /* one list for both where they agree (a copy-out), as in Python */
     for (Py_ssize_t i = 0; same && i < ni; i++) same = PyList_GET_ITEM(deps, i) == PyList_GET_ITEM(inputs, i);
     set_slot(op, S_INPUTS, same ? deps : inputs);
-    for (Py_ssize_t i = 0; i < ni; i++) {
-      if (SLOT(PyList_GET_ITEM(inputs, i), S_GATE) != Py_None) { /* a request's op: the Python rule */
-        PyObject *r = PyObject_CallFunctionObjArgs(g_protect, inputs, gate, NULL);
-        if (!r) goto fail;
-        Py_DECREF(r);
-        break;
-      }
-    }
+    if (protect(inputs, gate)) goto fail;
   }
   int admitted = 1;
   if (window != Py_None && (admitted = window_admit(window, op)) < 0) goto fail;
@@ -2007,13 +2034,13 @@ static PyObject *state(PyObject *self, PyObject *args) {
 
 static PyObject *init(PyObject *self, PyObject *args) {
   (void)self;
-  PyObject *op_type, *native_type, *entry_type, *nothing, *native_copies, *op_ids, *protect, *wait_kind;
+  PyObject *op_type, *native_type, *entry_type, *nothing, *native_copies, *op_ids, *wait_kind;
   PyObject *buffer_type, *recorder, *dispatch, *zeroed, *typed, *new_cells, *name_id, *record_deps_fn, *later_lock;
   unsigned long long submit_address, held, abandoned, pend_new, pend_on_sig, pend_on_pend, pend_go;
   Py_ssize_t cells;
-  if (!PyArg_ParseTuple(args, "KKKKKKKnOOOOOOOOOOOOOOOOO", &submit_address, &pend_new, &pend_on_sig, &pend_on_pend,
+  if (!PyArg_ParseTuple(args, "KKKKKKKnOOOOOOOOOOOOOOOO", &submit_address, &pend_new, &pend_on_sig, &pend_on_pend,
                         &pend_go, &held, &abandoned, &cells, &op_type, &native_type, &entry_type, &nothing,
-                        &native_copies, &op_ids, &protect, &wait_kind, &buffer_type, &recorder, &dispatch, &zeroed,
+                        &native_copies, &op_ids, &wait_kind, &buffer_type, &recorder, &dispatch, &zeroed,
                         &typed, &new_cells, &name_id, &record_deps_fn, &later_lock))
     return NULL;
   if (!PyCallable_Check(name_id) || !PyCallable_Check(record_deps_fn)) {
@@ -2050,7 +2077,6 @@ static PyObject *init(PyObject *self, PyObject *args) {
   g_nothing = Py_NewRef(nothing);
   g_native_copies = Py_NewRef(native_copies);
   g_op_ids = Py_NewRef(op_ids);
-  g_protect = Py_NewRef(protect);
   g_wait_kind = Py_NewRef(wait_kind);
   g_buffer_type = (PyTypeObject *)Py_NewRef(buffer_type);
   g_recorder = Py_NewRef(recorder);
@@ -2233,7 +2259,7 @@ static PyMethodDef methods[] = {
      "deque, python ops dict, failures dict): a native engine's `_fast_state`"},
     {"init", init, METH_VARARGS,
      "init(the addresses of ar_submit, ar_pend_new, ar_pend_on_sig, ar_pend_on_pend and ar_pend_go, HELD, ABANDONED, "
-     "CELLS, Op, NativeEngine, Entry, nothing, copies, ids, protect, WAIT, Buffer, recorder, "
+     "CELLS, Op, NativeEngine, Entry, nothing, copies, ids, WAIT, Buffer, recorder, "
      "dispatch_when_ready, zeroed, typed, new_cells, name_id, record_deps, the ops' lock)"},
     {NULL, NULL, 0, NULL},
 };

@@ -78,7 +78,7 @@ class _ExtensionCompiler(Compiler):
 def _build(lib: ctypes.CDLL, native_type: type, new_cells: Callable[[], Sized], name_id: Callable[[str], int]) -> Fast:
     from aruntime.engine.dispatch import _record_deps, dispatch_when_ready
     from aruntime.engine.kernel import _NATIVE_COPIES, _NOTHING, Entry
-    from aruntime.engine.ops import ABANDONED, HELD, WAIT, Op, _later_lock, protect
+    from aruntime.engine.ops import ABANDONED, HELD, WAIT, Op, _later_lock
     from aruntime.events import op_ids, recorder
     from aruntime.memory import Buffer, typed, zeroed
 
@@ -89,7 +89,7 @@ def _build(lib: ctypes.CDLL, native_type: type, new_cells: Callable[[], Sized], 
     addresses = (ctypes.cast(f, ctypes.c_void_p).value for f in functions)
     module.init(
         *addresses, HELD, ABANDONED, len(new_cells()), Op, native_type, Entry, _NOTHING, _NATIVE_COPIES, op_ids,
-        protect, WAIT, Buffer, recorder, dispatch_when_ready, zeroed, typed, new_cells, name_id,
+        WAIT, Buffer, recorder, dispatch_when_ready, zeroed, typed, new_cells, name_id,
         _record_deps, _later_lock,
     )  # fmt: skip
     return module
