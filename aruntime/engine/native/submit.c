@@ -176,6 +176,16 @@ static PyObject *tuple_of(Py_ssize_t n, ...) {
   return t;
 }
 
+/* `t` (a new tuple, or NULL), no longer tracked by the garbage collector where none of its items is tracked: a
+ * tuple that can be in no reference cycle, which the collector would otherwise find out on its first pass. */
+static PyObject *untracked(PyObject *t) {
+  if (!t) return NULL;
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(t); i++)
+    if (PyObject_GC_IsTracked(PyTuple_GET_ITEM(t, i))) return t;
+  PyObject_GC_UnTrack(t);
+  return t;
+}
+
 /* [cmd], taking the reference to `cmd` (also on failure); NULL where it is NULL or the list could not be made. */
 static PyObject *one_command(PyObject *cmd) {
   PyObject *list = cmd ? PyList_New(1) : NULL;
@@ -818,7 +828,7 @@ static void record_deps(PyObject *op, PyObject *deps) {
  * NativeEngine._pack makes them: a wait per WAIT, a dependency check where an input is unfinished (the op is then
  * registered with the engine's Python thread, which the worker asks when an input failed), the work, with
  * `gate` on the first that starts it; into `recs` (`*nrec` of them), what they keep alive into `*keep` (None or
- * a new list) and what the op keeps of its commands into `*kept` (a new reference: `cmds`, or a lone kernel or
+ * a new tuple of bytes, untracked) and what the op keeps of its commands into `*kept` (a new reference: `cmds`, or a lone kernel or
  * copy as numbers, strings and bytes, which the garbage collector stops tracking). 1, 0 before any side effect
  * (Python's), -1. */
 static int build_records(PyObject *engine, PyObject *op, PyObject *cmds, uint64_t gate, ar_cmd *recs, int *nrec,
@@ -887,12 +897,11 @@ static int build_records(PyObject *engine, PyObject *op, PyObject *cmds, uint64_
       failed = 1;
     }
     Py_XDECREF(thread);
-    if (failed || !(*keep = PyList_New(1))) {
+    if (failed) Py_DECREF(pairs);
+    if (failed || !(*keep = untracked(tuple_of(1, pairs)))) {
       *keep = Py_None;
-      Py_DECREF(pairs);
       return -1;
     }
-    PyList_SET_ITEM(*keep, 0, pairs);
   }
   ar_cmd *rec = &recs[(*nrec)++];
   *rec = work;
@@ -907,12 +916,12 @@ static int build_records(PyObject *engine, PyObject *op, PyObject *cmds, uint64_
   if (n == 1 && (rec->kind == K_EXEC || rec->kind == K_COPY)) {
     PyObject *cmd = PyList_GET_ITEM(cmds, 0);
     PyObject *name = Py_NewRef(PyTuple_GET_ITEM(cmd, 1));
-    *kept = tuple_of(1, rec->kind == K_EXEC
+    *kept = untracked(tuple_of(1, untracked(rec->kind == K_EXEC
                             ? tuple_of(4, PyLong_FromLong(C_EXEC), name, PyLong_FromUnsignedLongLong(rec->a),
                                        Py_NewRef(PyTuple_GET_ITEM(cmd, 3)))
                             : tuple_of(6, PyLong_FromLong(C_COPY), name, Py_NewRef(Py_None),
                                        PyLong_FromUnsignedLongLong(rec->a), PyLong_FromUnsignedLongLong(rec->b),
-                                       PyLong_FromUnsignedLongLong(rec->c)));
+                                       PyLong_FromUnsignedLongLong(rec->c)))));
   } else {
     *kept = Py_NewRef(cmds);
   }
