@@ -33,12 +33,15 @@ _log = logging.getLogger("aruntime")
 class Waiter:
     """A suspended task: an asyncio future or a trio task, cleared once it is resumed or gives up waiting."""
 
-    __slots__ = ("deadline", "task", "timeout_error")
+    __slots__ = ("args", "deadline", "task", "timeout_error")
 
-    def __init__(self, task: Any, deadline: float, timeout_error: Callable[[], BaseException]) -> None:
+    def __init__(
+        self, task: Any, deadline: float, timeout_error: Callable[..., BaseException], args: tuple[Any, ...] = ()
+    ) -> None:
         self.task = task
         self.deadline = deadline
-        self.timeout_error = timeout_error
+        self.timeout_error = timeout_error  # called with ``args`` at the deadline: no closure made per wait
+        self.args = args
 
     def __lt__(self, other: Waiter) -> bool:
         return self.deadline < other.deadline
@@ -131,7 +134,7 @@ class Waker:
             task = waiter.task
             if task is not None:
                 waiter.task = None
-                self._resume(task, waiter.timeout_error())
+                self._resume(task, waiter.timeout_error(*waiter.args))
         if heap:
             self._arm(heap[0].deadline)
 
