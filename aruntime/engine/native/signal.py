@@ -150,7 +150,7 @@ class NativeSignal(TimelineSignal):
         if loop is not None:
             fut: asyncio.Future[None] = loop.create_future()
             waker = asyncio_waker(loop)
-            waiter = Waiter(fut, loop.time() + limit, TimelineSignal._timeout_error, (self, value, limit))
+            waiter = Waiter(fut, loop.time() + limit, type(self)._timeout_error, (self, value, limit))
             notified = waker.native()
             notified.add(self, value, waiter)
             waker.track(waiter)
@@ -167,7 +167,7 @@ class NativeSignal(TimelineSignal):
 
         twaker = trio_waker()
         task = trio.lowlevel.current_task()
-        waiter = Waiter(task, trio.current_time() + limit, TimelineSignal._timeout_error, (self, value, limit))
+        waiter = Waiter(task, trio.current_time() + limit, type(self)._timeout_error, (self, value, limit))
         tnotified = twaker.native()
         tnotified.add(self, value, waiter)
         twaker.track(waiter)

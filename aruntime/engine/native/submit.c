@@ -176,14 +176,24 @@ static PyObject *tuple_of(Py_ssize_t n, ...) {
   return t;
 }
 
-/* `t` (a new tuple, or NULL), no longer tracked by the garbage collector where none of its items is tracked: a
- * tuple that can be in no reference cycle, which the collector would otherwise find out on its first pass. */
+/* `t` (a new tuple, or NULL), no longer tracked by the garbage collector where each of its items is an object the
+ * collector never tracks or an untracked tuple (the collector's own rule for tuples: an untracked dict may become
+ * tracked later, a tuple never does): a tuple that can be in no reference cycle, which the collector would
+ * otherwise find out on its first pass. */
 static PyObject *untracked(PyObject *t) {
   if (!t) return NULL;
-  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(t); i++)
-    if (PyObject_GC_IsTracked(PyTuple_GET_ITEM(t, i))) return t;
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(t); i++) {
+    PyObject *item = PyTuple_GET_ITEM(t, i);
+    if (PyObject_IS_GC(item) && !(PyTuple_CheckExact(item) && !PyObject_GC_IsTracked(item))) return t;
+  }
   PyObject_GC_UnTrack(t);
   return t;
+}
+
+/* A new reference to `o`; a tuple among them untracked where `untracked` would untrack it (the kernel's argument
+ * tuple, made by the caller: the collector does the same on its first pass). */
+static PyObject *untracked_ref(PyObject *o) {
+  return PyTuple_CheckExact(o) && PyObject_GC_IsTracked(o) ? untracked(Py_NewRef(o)) : Py_NewRef(o);
 }
 
 /* [cmd], taking the reference to `cmd` (also on failure); NULL where it is NULL or the list could not be made. */
@@ -918,7 +928,7 @@ static int build_records(PyObject *engine, PyObject *op, PyObject *cmds, uint64_
     PyObject *name = Py_NewRef(PyTuple_GET_ITEM(cmd, 1));
     *kept = untracked(tuple_of(1, untracked(rec->kind == K_EXEC
                             ? tuple_of(4, PyLong_FromLong(C_EXEC), name, PyLong_FromUnsignedLongLong(rec->a),
-                                       Py_NewRef(PyTuple_GET_ITEM(cmd, 3)))
+                                       untracked_ref(PyTuple_GET_ITEM(cmd, 3)))
                             : tuple_of(6, PyLong_FromLong(C_COPY), name, Py_NewRef(Py_None),
                                        PyLong_FromUnsignedLongLong(rec->a), PyLong_FromUnsignedLongLong(rec->b),
                                        PyLong_FromUnsignedLongLong(rec->c)))));
@@ -1394,9 +1404,6 @@ static int window_admit(PyObject *window, PyObject *op) {
   return rc;
 }
 
-/* BaseDevice._submit for the op of `body` (one command) bound for `engine`, through `window` (a Scheduler, or
- * None): the op, handed to its queue here or by dispatch_when_ready, or None (new reference) where Python must
- * take it. */
 /* ops.protect: an op of `gate` (None: of no request) reads what the ops `inputs` write; the request of each of
  * them from another gate is never skipped from now on, unless it was told to skip already. A gate is the array of
  * ops.new_gate: int64 words SKIP (0), DEADLINE (1), SHARED (2), as the core reads them. 0, or -1. */
@@ -1406,20 +1413,24 @@ static int protect(PyObject *inputs, PyObject *gate) {
     if (other == Py_None || other == gate) continue;
     Py_buffer view;
     if (PyObject_GetBuffer(other, &view, PyBUF_WRITABLE | PyBUF_FORMAT)) return -1;
-    int ok = view.len == 3 * (Py_ssize_t)sizeof(int64_t) && view.itemsize == sizeof(int64_t);
+    int ok = view.len == 3 * (Py_ssize_t)sizeof(int64_t) && view.itemsize == sizeof(int64_t) && view.format &&
+             strcmp(view.format, "q") == 0;
     if (ok) {
       int64_t *words = view.buf;
       if (!__atomic_load_n(&words[0], __ATOMIC_ACQUIRE)) __atomic_store_n(&words[2], 1, __ATOMIC_RELEASE);
     }
     PyBuffer_Release(&view);
     if (!ok) {
-      PyErr_Format(PyExc_TypeError, "%U: a request's gate must be 3 int64 words", SLOT(PyList_GET_ITEM(inputs, i), S_NAME));
+      PyErr_SetString(PyExc_TypeError, "a request's gate must be an array('q') of 3 words (ops.new_gate)");
       return -1;
     }
   }
   return 0;
 }
 
+/* BaseDevice._submit for the op of `body` (one command) bound for `engine`, through `window` (a Scheduler, or
+ * None): the op, handed to its queue here or by dispatch_when_ready, or None (new reference) where Python must
+ * take it. */
 static PyObject *do_submit(PyObject *engine, PyObject *name, PyObject *body, PyObject *reads, PyObject *writes,
                            PyObject *keep, PyObject *result, PyObject *window) {
   if (Py_TYPE(engine) != g_native_type || !PyList_Check(body) || PyList_GET_SIZE(body) != 1 ||
