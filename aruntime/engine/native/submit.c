@@ -381,6 +381,19 @@ static int take_value(PyObject *op, PyObject *engine, uint64_t value) {
   return rc;
 }
 
+/* For a held op of `engine`: 0 not handed to its queue (held off any queue, or pending in the core), 1 handed on by
+ * the core with its value taken (here, where nothing waits for it, or by another thread), 2 handed on or abandoned
+ * where Python's Op._resolve must take it (something waits, or the core abandoned it), -1. */
+static int handed_on(PyObject *op, PyObject *engine) {
+  if (SLOT(op, S_CELL) == Py_None) return 0;
+  uint64_t *cell = cell_address(op);
+  if (!cell) return -1;
+  uint64_t word = __atomic_load_n(cell, __ATOMIC_ACQUIRE);
+  if (!word) return 0;
+  int taken = word == g_abandoned ? 0 : take_value(op, engine, word);
+  return taken ? taken : 2;
+}
+
 /* Op.done(): 1, 0, or -1 on error. A retired op of a native engine, an op held (pending in the core or not) that
  * is not handed on yet, and one the core has handed on where nothing waits for it (its value taken here, as
  * Op._resolve does) are read here; anything else asks Op.done. */
@@ -390,14 +403,9 @@ static int op_done(PyObject *op) {
   uint64_t value = op_value(op);
   if (value == (uint64_t)-1 && PyErr_Occurred()) return -1;
   if (value == g_held) {
-    if (SLOT(op, S_CELL) == Py_None) return 0; /* held off any queue */
-    uint64_t *cell = cell_address(op);
-    if (!cell) return -1;
-    uint64_t word = __atomic_load_n(cell, __ATOMIC_ACQUIRE);
-    if (!word) return 0; /* pending in the core, not handed on yet */
-    int taken = word == g_abandoned ? 0 : take_value(op, engine, word);
-    if (taken < 0) return -1;
-    if (taken) value = op_value(op); /* the core's word, or what another thread set first */
+    int handed = handed_on(op, engine);
+    if (handed <= 0) return handed;
+    if (handed == 1) value = op_value(op); /* the core's word, or what another thread set first */
     if (value == (uint64_t)-1 && PyErr_Occurred()) return -1;
   }
   if (value != g_held) {
@@ -417,6 +425,21 @@ static int op_done(PyObject *op) {
   return truth;
 }
 
+/* Op.dispatched: 1, 0, -1. */
+static int op_dispatched(PyObject *op) {
+  PyObject *engine = SLOT(op, S_ENGINE);
+  if (engine == Py_None) return 0;
+  uint64_t value = op_value(op);
+  if (value == (uint64_t)-1 && PyErr_Occurred()) return -1;
+  if (value != g_held) return 1;
+  int handed = handed_on(op, engine);
+  if (handed < 2) return handed;
+  PyObject *d = PyObject_GetAttr(op, s_dispatched); /* Op._resolve runs what waits for it, or abandons it */
+  int truth = d ? PyObject_IsTrue(d) : -1;
+  Py_XDECREF(d);
+  return truth;
+}
+
 static int contains(PyObject *list, PyObject *item) {
   Py_ssize_t n = PyList_GET_SIZE(list);
   for (Py_ssize_t i = 0; i < n; i++)
@@ -424,7 +447,6 @@ static int contains(PyObject *list, PyObject *item) {
   return 0;
 }
 
-static int op_dispatched(PyObject *op);
 
 /* AccessLog.access (memory/hazards.py) of all of `buf`, the same rules: -1 on error. The entries it keeps are
  * kept in the log's list itself (no new list per access); a list that changed meanwhile (another thread's access
@@ -838,8 +860,8 @@ static void record_deps(PyObject *op, PyObject *deps) {
  * NativeEngine._pack makes them: a wait per WAIT, a dependency check where an input is unfinished (the op is then
  * registered with the engine's Python thread, which the worker asks when an input failed), the work, with
  * `gate` on the first that starts it; into `recs` (`*nrec` of them), what they keep alive into `*keep` (None or
- * a new tuple of bytes, untracked) and what the op keeps of its commands into `*kept` (a new reference: `cmds`, or a lone kernel or
- * copy as numbers, strings and bytes, which the garbage collector stops tracking). 1, 0 before any side effect
+ * a new tuple of bytes, untracked) and what the op keeps of its commands into `*kept` (a new reference: `cmds`, or
+ * a lone kernel or copy as numbers, strings and bytes, untracked). 1, 0 before any side effect
  * (Python's), -1. */
 static int build_records(PyObject *engine, PyObject *op, PyObject *cmds, uint64_t gate, ar_cmd *recs, int *nrec,
                          PyObject **keep, PyObject **kept) {
@@ -1046,28 +1068,6 @@ out:
   return rc;
 }
 
-
-/* Op.dispatched: 1, 0, -1. */
-static int op_dispatched(PyObject *op) {
-  PyObject *engine = SLOT(op, S_ENGINE);
-  if (engine == Py_None) return 0;
-  uint64_t value = op_value(op);
-  if (value == (uint64_t)-1 && PyErr_Occurred()) return -1;
-  if (value != g_held) return 1;
-  if (SLOT(op, S_CELL) == Py_None) return 0; /* held off any queue */
-  uint64_t *cell = cell_address(op);
-  if (!cell) return -1;
-  uint64_t word = __atomic_load_n(cell, __ATOMIC_ACQUIRE);
-  if (!word) return 0; /* pending in the core, not handed on yet */
-  if (word != g_abandoned) { /* handed on: its value taken here where nothing waits for it, as op_done does */
-    int taken = take_value(op, engine, word);
-    if (taken) return taken;
-  }
-  PyObject *d = PyObject_GetAttr(op, s_dispatched); /* Op._resolve runs what waits for it, or abandons it */
-  int truth = d ? PyObject_IsTrue(d) : -1;
-  Py_XDECREF(d);
-  return truth;
-}
 
 /* NativeEngine.pend's batch retire: with RETIRE_EVERY or more ops pending in native `engine`'s core and the
  * oldest of them done, the done ones are retired first, as _enqueue does for ops in flight. 0, or -1. */
@@ -1957,13 +1957,16 @@ out:
   return rc;
 }
 
-/* Whether `engine` takes this path (its `fast` is set: an engine opened with ARUNTIME_FAST_SUBMIT=0 has none): 1, 0, -1. */
-static int engine_fast(PyObject *engine) {
+/* `submit_fn(self, call, n)` where `engine` (NULL where it could not be found) takes this path (its `fast` is set:
+ * an engine opened with ARUNTIME_FAST_SUBMIT=0 has none), else None for the Python path, which says what is wrong. */
+static PyObject *if_fast(PyObject *engine, PyObject *(*submit_fn)(PyObject *, PyObject *const *, Py_ssize_t),
+                         PyObject *self, PyObject *const *call, Py_ssize_t n) {
   PyObject *fast = engine ? ATTR(engine, s_fast) : NULL;
-  if (!fast) return -1;
-  int rc = fast != Py_None;
-  Py_DECREF(fast);
-  return rc;
+  int yes = fast && fast != Py_None;
+  Py_XDECREF(fast);
+  if (yes) return submit_fn(self, call, n);
+  PyErr_Clear();
+  return Py_NewRef(Py_None);
 }
 
 /* sched_launch(sched, prog, bufs, vals, outs, priority): Scheduler.launch's op, or None for the Python path. */
@@ -1972,19 +1975,13 @@ static PyObject *sched_launch(PyObject *self, PyObject *const *args, Py_ssize_t 
     PyErr_SetString(PyExc_TypeError, "sched_launch(sched, prog, bufs, vals, outs, priority)");
     return NULL;
   }
-  PyObject *priority, *result = NULL;
+  PyObject *priority;
   int ready = sched_ready(args[0], args[5], &priority);
   if (ready <= 0) return ready < 0 ? NULL : Py_NewRef(Py_None);
-  PyObject *dev = ATTR(args[1], s_device); /* launch() checks that it is a program of this device */
+  PyObject *dev = ATTR(args[1], s_device); /* not a program: Python's; launch() checks it is one of this device */
   PyObject *engine = dev ? ATTR(dev, s_compute) : NULL;
-  int fast = engine_fast(engine);
-  if (fast > 0) {
-    PyObject *call[8] = {dev, args[1], args[2], args[3], args[4], Py_False, args[0], priority};
-    result = launch(self, call, 8);
-  } else { /* not a program, an engine without this path: Python's, which says what is wrong */
-    PyErr_Clear();
-    result = Py_NewRef(Py_None);
-  }
+  PyObject *call[8] = {dev, args[1], args[2], args[3], args[4], Py_False, args[0], priority};
+  PyObject *result = if_fast(engine, launch, self, call, 8);
   Py_XDECREF(engine);
   Py_XDECREF(dev);
   Py_DECREF(priority);
@@ -2003,15 +2000,9 @@ static PyObject *sched_copy(PyObject *self, PyObject *const *args, Py_ssize_t na
   if (ready <= 0) return ready < 0 ? NULL : Py_NewRef(Py_None);
   PyObject *buf = args[1], *base = Py_TYPE(buf) == g_buffer_type ? ATTR(buf, s_base) : NULL;
   if (base == Py_None) dev = ATTR(buf, s_owner); /* Buffer.owner of a root buffer whose device is open */
-  if (dev && dev != Py_None) engine = ATTR(dev, s_copy);
-  int fast = engine_fast(engine);
-  if (fast > 0) {
-    PyObject *call[7] = {dev, buf, args[2], args[3], Py_False, args[0], priority};
-    result = copy(self, call, 7);
-  } else { /* a view, a device not opened yet, an engine without this path: Python's, which says what is wrong */
-    PyErr_Clear();
-    result = Py_NewRef(Py_None);
-  }
+  if (dev && dev != Py_None) engine = ATTR(dev, s_copy); /* else a view or a device not opened yet: Python's */
+  PyObject *call[7] = {dev, buf, args[2], args[3], Py_False, args[0], priority};
+  result = if_fast(engine, copy, self, call, 7);
   Py_XDECREF(engine);
   Py_XDECREF(dev);
   Py_XDECREF(base);
