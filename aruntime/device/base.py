@@ -211,8 +211,10 @@ class BaseDevice(Closing, ProfileHooks):
                 "not void, a pointer or an image)"
             )
         self.allocator.check_size(size * dtype.itemsize)
-        make = functools.partial(Buffer, self.name, size, dtype, spec, preallocate=True)
-        return await anyio.to_thread.run_sync(make) if self.file_backed else make()
+        if self.file_backed:  # maps the file: system calls, on a worker thread
+            make = functools.partial(Buffer, self.name, size, dtype, spec, preallocate=True)
+            return await anyio.to_thread.run_sync(make)
+        return Buffer(self.name, size, dtype, spec, preallocate=True)
 
     def buffer(self, size: int, dtype: DType = dtypes.uint8, spec: BufferSpec | None = None) -> BufferScope:
         """``async with dev.buffer(size, dtype) as buf:`` allocates ``buf`` and frees it on exit (also on
@@ -247,8 +249,7 @@ class BaseDevice(Closing, ProfileHooks):
         nothing to wait for, after the buffer is freed: a cancellation there does not undo the free.
         """
         self._check(buf, "free")
-        pending = buf.log.pending()
-        buf.deallocate()
+        pending = buf._deallocate()
         if not pending:
             await checkpoint()
         for op in pending:

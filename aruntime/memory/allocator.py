@@ -215,7 +215,8 @@ class LRUAllocator(Allocator[H]):
             return {**stats, "cached": self._cached, "cache_limit": self._limit, **self._stats}
 
     def alloc(self, size: int, spec: BufferSpec | None = None) -> H:
-        run_deferred()
+        if _deferred:
+            run_deferred()
         spec = spec or DEFAULT_SPEC
         key = (size, spec)
         with self._lock:
@@ -240,19 +241,24 @@ class LRUAllocator(Allocator[H]):
         return handle
 
     def free(self, handle: H, size: int, spec: BufferSpec | None = None) -> None:
-        run_deferred()
+        if _deferred:
+            run_deferred()
         spec = spec or DEFAULT_SPEC
         if spec.nolru or spec.external_ptr is not None or not self.lru or size > self._limit:
             self._release([((size, spec), handle)])
             return
         with self._lock:
-            evicted = self._evict(size)
+            evicted = self._evict(size) if self._cached + size > self._limit else None
             key = (size, spec)
             self._seq += 1
             self._order[self._seq] = (key, handle)
-            self._by_key.setdefault(key, deque()).append(self._seq)
+            seqs = self._by_key.get(key)
+            if seqs is None:
+                seqs = self._by_key[key] = deque()
+            seqs.append(self._seq)
             self._cached += size
-        self._release(evicted)
+        if evicted:
+            self._release(evicted)
 
     def _evict(self, room: int) -> list[tuple[_Key, H]]:
         """Take the oldest cached entries out (under the lock) until ``room`` more bytes fit in the limit."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import mmap
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,7 @@ from aruntime.memory.pinning import refuse_pointers
 
 if TYPE_CHECKING:
     from aruntime.device import BaseDevice
+    from aruntime.engine import Op
 
 _counter_lock = threading.Lock()
 
@@ -227,26 +229,27 @@ class Buffer:
         """Allocate the memory (a view: its root first); ``external_ptr`` wraps caller-owned memory."""
         if self.is_allocated():
             raise BufferUsageError(f"{self!r} is already allocated")
-        if self._base is None:
-            self._owner = None  # (re)allocate on the device opened under this name now
-        allocator = self.allocator
-        if self._base is not None:
-            self._base.ensure_allocated()
+        base = self._base
+        if base is not None:
+            allocator = self.allocator
+            base.ensure_allocated()
             offset = getattr(allocator, "_offset", None)
             if offset is None:
                 raise BufferUsageError(f"{self.device} does not support buffer views")
-            self._handle = offset(self._base._handle, self.nbytes, self.offset)
-            self._generation = self._base._generation
+            self._handle = offset(base._handle, self.nbytes, self.offset)
+            self._generation = base._generation
             return self
+        owner = _open_device(self.device)  # (re)allocate on the device opened under this name now
+        allocator = owner.allocator
         spec = self.spec
         if external_ptr is not None:
-            spec = BufferSpec(**{**spec.__dict__, "external_ptr": external_ptr})
+            spec = replace(spec, external_ptr=external_ptr)
         self._handle = allocator.alloc(self.nbytes, spec)
-        self._owner = self.owner
+        self._owner = owner
         self.spec = spec
         self._freed = False
         self._generation += 1
-        if self.spec.external_ptr is None and not self.owner.file_backed:
+        if spec.external_ptr is None and not owner.file_backed:
             with _counter_lock:
                 allocator._count(self.nbytes)
         return self
@@ -256,18 +259,29 @@ class Buffer:
 
         A view only lets go of its handle. The buffer reads as unallocated at once.
         """
+        self._deallocate()
+
+    def _deallocate(self) -> list[Op]:
+        """:meth:`deallocate`, returning the ops still in flight on the memory (a view: on its root's)."""
         if self._handle is None:
             raise BufferUsageError(f"{self!r} is not allocated")
         handle, self._handle = self._handle, None
         if self._base is not None:
-            return
+            return self.log.pending()
         self._freed = True
-        if self.spec.external_ptr is not None:  # caller-owned memory: nothing to free, let go of what keeps it
+        pending = self.log.pending()
+        lent = self._loans > 0  # read again under the lock below where it is
+        spec = self.spec
+        if spec.external_ptr is not None:  # caller-owned memory: nothing to free, let go of what keeps it
             release: Callable[[], None] = partial(_let_go, self._keep)
             self._keep = None
-        else:  # what the handle came from, fixed now: the buffer may be allocated again before the release runs
-            release = partial(_release, self.allocator, handle, self.nbytes, self.spec, not self.owner.file_backed)
-        pending = self.log.pending()
+        elif pending or lent:  # what the handle came from, fixed now: the buffer may be allocated again meanwhile
+            owner = self.owner
+            release = partial(_release, owner.allocator, handle, self.nbytes, spec, not owner.file_backed)
+        else:
+            owner = self.owner
+            _release(owner.allocator, handle, self.nbytes, spec, not owner.file_backed)
+            return pending
         with _counter_lock:
             lent = self._loans > 0
             one_done = after_all(len(pending) + lent, release) if pending or lent else None
@@ -275,9 +289,10 @@ class Buffer:
                 self._after_loans = one_done
         if one_done is None:
             release()
-            return
+            return pending
         for op in pending:
             op.when_done(one_done)
+        return pending
 
     def _lend(self) -> Callable[[], None]:
         """Count a zero-copy export of the root's memory; the function returned ends it (from any thread, a
@@ -361,7 +376,7 @@ class Buffer:
             args = (self.device, self.size, self.dtype, None, None, self._base, self.offset, self.is_allocated())
             return (Buffer, args)
         contents = bytes(self.as_buffer()) if self.is_allocated() else None
-        spec = BufferSpec(**{**self.spec.__dict__, "external_ptr": None})
+        spec = replace(self.spec, external_ptr=None)
         return (Buffer, (self.device, self.size, self.dtype, spec, contents))
 
 

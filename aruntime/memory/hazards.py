@@ -77,6 +77,8 @@ class AccessLog:
 
     def pending(self) -> list[Op]:
         """The ops still in flight on this buffer."""
+        if not self.entries:
+            return []
         self.entries = [e for e in self.entries if _matters(e[2], e[3])]
         return [e[3] for e in self.entries if not e[3].done()]
 
