@@ -42,6 +42,17 @@ class BufferSpec:
         ptr = self.external_ptr
         if ptr is not None and (not isinstance(ptr, int) or isinstance(ptr, bool) or ptr <= 0):
             raise BufferUsageError(f"BufferSpec external_ptr must be a positive int address or None, got {ptr!r}")
+        object.__setattr__(self, "_hash", hash(self._fields()))
+
+    def _fields(self) -> tuple[object, ...]:
+        return (self.image, self.uncached, self.cpu_access, self.host, self.nolru, self.external_ptr)
+
+    def __hash__(self) -> int:
+        """The hash of its fields, worked out once: a spec is part of every allocator cache key."""
+        return self._hash  # type: ignore[attr-defined, no-any-return]  # set in __post_init__
+
+    def __reduce__(self) -> tuple[type[BufferSpec], tuple[object, ...]]:
+        return (BufferSpec, self._fields())  # made again where it is unpickled: a hash may differ in another process
 
 
 DEFAULT_SPEC = BufferSpec()
