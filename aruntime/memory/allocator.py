@@ -8,7 +8,7 @@ import mmap
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
 
 from aruntime.errors import AllocationError, BufferUsageError
@@ -37,22 +37,15 @@ class BufferSpec:
     host: bool = False
     nolru: bool = False
     external_ptr: int | None = None
+    _key: tuple[object, ...] = field(init=False, repr=False, compare=False)  # set in __post_init__
 
     def __post_init__(self) -> None:
         ptr = self.external_ptr
         if ptr is not None and (not isinstance(ptr, int) or isinstance(ptr, bool) or ptr <= 0):
             raise BufferUsageError(f"BufferSpec external_ptr must be a positive int address or None, got {ptr!r}")
-        object.__setattr__(self, "_hash", hash(self._fields()))
-
-    def _fields(self) -> tuple[object, ...]:
-        return (self.image, self.uncached, self.cpu_access, self.host, self.nolru, self.external_ptr)
-
-    def __hash__(self) -> int:
-        """The hash of its fields, worked out once: a spec is part of every allocator cache key."""
-        return self._hash  # type: ignore[attr-defined, no-any-return]  # set in __post_init__
-
-    def __reduce__(self) -> tuple[type[BufferSpec], tuple[object, ...]]:
-        return (BufferSpec, self._fields())  # made again where it is unpickled: a hash may differ in another process
+        # its fields as one tuple, the allocator's cache key: hashed and compared in C, where the spec's own
+        # hash is a call into Python
+        object.__setattr__(self, "_key", (self.image, self.uncached, self.cpu_access, self.host, self.nolru, ptr))
 
 
 DEFAULT_SPEC = BufferSpec()
@@ -168,7 +161,7 @@ class Allocator(Generic[H]):
 DEFAULT_CACHE_LIMIT = 1 << 30
 """Default bytes an LRU allocator keeps cached for reuse (env ``ARUNTIME_LRU_LIMIT``): 1 GiB per device."""
 
-_Key = tuple[int, BufferSpec]
+_Entry = tuple[int, BufferSpec, H]  # a cached handle, with its size and spec
 
 
 class LRUAllocator(Allocator[H]):
@@ -185,8 +178,9 @@ class LRUAllocator(Allocator[H]):
 
     def __init__(self, device: str) -> None:
         super().__init__(device)
-        self._order: OrderedDict[int, tuple[_Key, H]] = OrderedDict()  # free sequence number -> entry, oldest first
-        self._by_key: dict[_Key, deque[int]] = {}  # sequence numbers of each key's cached handles, oldest first
+        self._order: OrderedDict[int, _Entry[H]] = OrderedDict()  # free sequence number -> entry, oldest first
+        # sequence numbers of the cached handles of each (size, spec's key), oldest first
+        self._by_key: dict[tuple[int, tuple[object, ...]], deque[int]] = {}
         self._seq = 0
         self._cached = 0
         self.lru = bool(getenv("LRU", 1, minimum=0, maximum=1))
@@ -229,11 +223,11 @@ class LRUAllocator(Allocator[H]):
         if _deferred:
             run_deferred()
         spec = spec or DEFAULT_SPEC
-        key = (size, spec)
+        key = (size, spec._key)
         with self._lock:
             seqs = self._by_key.get(key)
             if seqs:
-                handle = self._order.pop(seqs.pop())[1]
+                handle = self._order.pop(seqs.pop())[2]
                 if not seqs:
                     del self._by_key[key]
                 self._cached -= size
@@ -256,13 +250,13 @@ class LRUAllocator(Allocator[H]):
             run_deferred()
         spec = spec or DEFAULT_SPEC
         if spec.nolru or spec.external_ptr is not None or not self.lru or size > self._limit:
-            self._release([((size, spec), handle)])
+            self._release([(size, spec, handle)])
             return
         with self._lock:
             evicted = self._evict(size) if self._cached + size > self._limit else None
-            key = (size, spec)
             self._seq += 1
-            self._order[self._seq] = (key, handle)
+            self._order[self._seq] = (size, spec, handle)
+            key = (size, spec._key)
             seqs = self._by_key.get(key)
             if seqs is None:
                 seqs = self._by_key[key] = deque()
@@ -271,23 +265,25 @@ class LRUAllocator(Allocator[H]):
         if evicted:
             self._release(evicted)
 
-    def _evict(self, room: int) -> list[tuple[_Key, H]]:
+    def _evict(self, room: int) -> list[_Entry[H]]:
         """Take the oldest cached entries out (under the lock) until ``room`` more bytes fit in the limit."""
-        evicted: list[tuple[_Key, H]] = []
+        evicted: list[_Entry[H]] = []
         while self._order and self._cached + room > self._limit:
-            _, (key, handle) = self._order.popitem(last=False)
+            _, entry = self._order.popitem(last=False)
+            size, spec, _ = entry
+            key = (size, spec._key)
             seqs = self._by_key[key]
             seqs.popleft()
             if not seqs:
                 del self._by_key[key]
-            self._cached -= key[0]
-            evicted.append((key, handle))
+            self._cached -= size
+            evicted.append(entry)
         self._stats["evictions"] += len(evicted)
         return evicted
 
-    def _release(self, entries: list[tuple[_Key, H]]) -> None:
+    def _release(self, entries: list[_Entry[H]]) -> None:
         """Really free ``entries`` through the backend (outside the lock)."""
-        for (size, spec), handle in entries:
+        for size, spec, handle in entries:
             super().free(handle, size, spec)
         if entries:
             with self._lock:
