@@ -196,8 +196,8 @@ class Graph:
             raise DeviceError(f"graph launch: expected a Program, got {type(prog).__name__}")
         dev = prog.device
         reads, writes = dev._launch_access(prog, bufs, outs)
-        check_scalars(f"graph launch {prog.name}", vals, skip=Param)
-        self._add(_Entry("launch", dev, dev.compute, prog.name, reads, writes, prog=prog, bufs=bufs, vals=tuple(vals)))
+        vals = check_scalars(f"graph launch {prog.name}", vals, skip=Param)
+        self._add(_Entry("launch", dev, dev.compute, prog.name, reads, writes, prog=prog, bufs=bufs, vals=vals))
 
     def _build(self) -> _Plan:
         entries = self.entries
@@ -484,10 +484,13 @@ class Graph:
             prog = entry.prog
             assert prog is not None
             args = tuple(handles[i] for i in step.slots)
-            vals = [inputs[v.name] if isinstance(v, Param) else v for v in entry.vals]
-            for i, (v, val) in enumerate(zip(entry.vals, vals, strict=True)):
-                if isinstance(v, Param):
-                    check_scalar(f"{self!r} replay, input {v.name!r} of {entry.name}", i, val)
+            what = f"{self!r} replay"
+            vals = [
+                check_scalar(f"{what}, input {v.name!r} of {entry.name}", i, inputs[v.name])
+                if isinstance(v, Param)
+                else v
+                for i, v in enumerate(entry.vals)
+            ]
             key = (*args, *vals, *map(type, vals))  # 2 and 2.0 are equal but make different C arguments
             cached = entry.command
             if cached is not None and cached[0] == key:

@@ -34,11 +34,12 @@ from aruntime.device import Program, transfer
 from aruntime.engine import Op, first_failure
 from aruntime.engine.native import submit
 from aruntime.engine.ops import DEADLINE, SHARED, SKIP, check_priority, new_gate
-from aruntime.errors import DeadlineExceeded, OpError, SchedulerFull, SignalTimeout
+from aruntime.errors import BufferUsageError, DeadlineExceeded, DeviceError, OpError, SchedulerFull, SignalTimeout
 from aruntime.helpers import after_all, checkpoint
 from aruntime.memory import Buffer
 
 if TYPE_CHECKING:
+    from aruntime.device import BaseDevice
     from aruntime.graph import Graph, GraphRun
 
 
@@ -344,12 +345,14 @@ class Scheduler:
         """Enqueue a copy of host ``data`` into ``buf`` (see :meth:`BaseDevice.copyin`); ``priority``: the
         scheduler's unless given (so for each op method)."""
         fast = submit.loaded()
-        if fast is not None:
+        if fast is not None and data is not None:  # (C reads None as a copy-out's)
             made: Op | None = fast.sched_copy(self, buf, data, None, priority)
             if made is not None:
                 return made  # the same, in C
         self._check_open()
-        return buf.owner.copyin(buf, data, window=self, priority=self.priority if priority is None else priority)
+        return _owner(buf, "copyin").copyin(
+            buf, data, window=self, priority=self.priority if priority is None else priority
+        )
 
     def copyout(self, buf: Buffer, into: Any = None, priority: int | None = None) -> Op:
         """Enqueue a copy of ``buf`` to the host; awaiting the handle gives the data (see
@@ -360,7 +363,9 @@ class Scheduler:
             if made is not None:
                 return made  # the same, in C
         self._check_open()
-        return buf.owner.copyout(buf, into, window=self, priority=self.priority if priority is None else priority)
+        return _owner(buf, "copyout").copyout(
+            buf, into, window=self, priority=self.priority if priority is None else priority
+        )
 
     def transfer(self, dst: Buffer, src: Buffer, priority: int | None = None) -> Op:
         """Enqueue a device-to-device copy of ``src`` into ``dst`` (see :func:`aruntime.transfer`)."""
@@ -382,6 +387,8 @@ class Scheduler:
             if made is not None:
                 return made  # the same, in C
         self._check_open()
+        if not isinstance(prog, Program):
+            raise DeviceError(f"launch: {prog!r} is not a program (Device.compile makes one)")
         return prog.device.launch(
             prog, *bufs, vals=vals, outs=outs, window=self, priority=self.priority if priority is None else priority
         )
@@ -390,6 +397,13 @@ class Scheduler:
         """Enqueue a replay of a captured :class:`~aruntime.graph.Graph` (see :meth:`Graph.replay`)."""
         self._check_open()
         return graph._replay(buffers, inputs, self)
+
+
+def _owner(buf: Buffer, what: str) -> BaseDevice:
+    """The device of ``buf``, for an op ``what`` on it; a :class:`BufferUsageError` where it is no buffer."""
+    if not isinstance(buf, Buffer):
+        raise BufferUsageError(f"{what}: expected a Buffer, got {type(buf).__name__}")
+    return buf.owner
 
 
 def _skip(gate: array[int]) -> bool:

@@ -160,6 +160,8 @@ async def test_bad_arguments_raise_before_anything_is_enqueued() -> None:
         dev.launch(prog, buf, vals=(16,), outs=(3,))
     with pytest.raises(TypeError, match="compile kernel: outs must be a sequence of buffer indices"):
         await dev.compile(ADD_ONE, outs=5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"compile kernel: outs \[-1\] must be buffer indices \(>= 0\)"):
+        await dev.compile(ADD_ONE, outs=(-1,))
     with pytest.raises(BufferUsageError, match="positive"):
         await dev.allocate(0)
     with pytest.raises(BufferUsageError, match="positive"):

@@ -4,26 +4,31 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
+from typing import Any
 
 
-def check_scalars(what: str, vals: object, skip: type | None = None) -> None:
-    """Raise unless ``vals`` is a list or tuple of launch scalars (see :func:`check_scalar`); items that are
-    instances of ``skip`` are left for the caller."""
+def check_scalars(what: str, vals: object, skip: type | None = None) -> tuple[Any, ...]:
+    """``vals``, a list or tuple of launch scalars, as a tuple of the plain values (see :func:`check_scalar`);
+    else an error. Items that are instances of ``skip`` are left as they are, for the caller."""
     if not isinstance(vals, (list, tuple)):
         raise TypeError(f"{what}: vals must be a tuple or list of scalars, got {type(vals).__name__}")
-    for i, val in enumerate(vals):
-        if skip is None or not isinstance(val, skip):
-            check_scalar(what, i, val)
+    return tuple(
+        val if skip is not None and isinstance(val, skip) else check_scalar(what, i, val) for i, val in enumerate(vals)
+    )
 
 
-def check_scalar(what: str, index: int, val: object) -> None:
-    """Raise unless ``val`` can be a launch's scalar ``index``: a float, or an int that fits in int64."""
+def check_scalar(what: str, index: int, val: object) -> int | float:
+    """``val`` as a launch's scalar ``index``: a float, or an int that fits in int64, as the plain ``float`` or
+    ``int`` it holds (a subclass's value, not what its methods say: the C submission path reads the value); else
+    an error."""
     if isinstance(val, float):
-        return
+        return float.__float__(val)
     if not isinstance(val, int):
         raise TypeError(f"{what}: scalar {index} must be int or float, got {type(val).__name__}")
-    if not -(1 << 63) <= val < 1 << 63:
-        raise ValueError(f"{what}: scalar {index} = {val} does not fit in a 64-bit signed int")
+    plain = int.__int__(val)
+    if not -(1 << 63) <= plain < 1 << 63:
+        raise ValueError(f"{what}: scalar {index} = {plain} does not fit in a 64-bit signed int")
+    return plain
 
 
 def _indices(what: str, outs: object) -> tuple[int, ...]:

@@ -33,6 +33,7 @@ from aruntime.engine import (
     ThreadEngine,
     Window,
     dispatch_when_ready,
+    gate_of,
     make_engine,
 )
 from aruntime.engine.ops import check_priority, protect
@@ -285,6 +286,8 @@ class BaseDevice(Closing, ProfileHooks):
         ``window`` (held, as with ``hold``) once it admits the op."""
         if self.state != "open":
             self.check_usable(name)
+        if hold is not False and hold is not True:
+            raise TypeError(f"{name}: hold must be a bool, got {hold!r}")
         fast = engine.fast
         if fast is not None and not hold:
             made: Op | None = fast.submit(engine, name, body, reads, writes, keep, result, window)
@@ -292,7 +295,7 @@ class BaseDevice(Closing, ProfileHooks):
                 return made
         engine.check_open(name)  # before the hazard logs learn of an op that would never run
         op = Op(name, (), keep, result)
-        gate = None if window is None else window._gate()
+        gate = gate_of(window)
         if gate is not None and engine.reads_gates:
             op.gate = gate
         deps: list[Op] = []
@@ -341,12 +344,15 @@ class BaseDevice(Closing, ProfileHooks):
         :meth:`queue`).
         """
         fast = self.copy.fast
-        if fast is not None:
+        if fast is not None and data is not None:  # (C reads None as a copy-out's)
             made: Op | None = fast.copy(self, buf, data, None, hold, window, priority)
             if made is not None:
                 return made
         handle = self._check(buf, "copyin")
-        holder, address, nbytes = pin(data)
+        try:
+            holder, address, nbytes = pin(data)
+        except BufferUsageError as exc:
+            raise BufferUsageError(f"copyin source: {exc}") from None
         if nbytes != buf.nbytes:
             raise BufferUsageError(f"copyin: source has {nbytes} bytes, {buf!r} has {buf.nbytes}")
         name = f"copyin {nbytes} B"
@@ -405,6 +411,8 @@ class BaseDevice(Closing, ProfileHooks):
             raise ValueError(f"compile on {self.name}: kernel name {name!r} is not a C identifier")
         if outs is not None:
             outs = _indices(f"compile {name}", outs)
+            if any(i < 0 for i in outs):
+                raise ValueError(f"compile {name}: outs {list(outs)} must be buffer indices (>= 0)")
         self.check_usable(f"compile {name}")
         if self.compiler is None:
             raise DeviceError(f"{self.name} has no compiler")
@@ -465,8 +473,9 @@ class BaseDevice(Closing, ProfileHooks):
                 return made
         engine = self.queue("compute", priority)
         reads, writes = self._launch_access(prog, bufs, outs)
-        check_scalars(f"launch {prog.name}", vals)
-        body = [self._launch_command(prog, bufs, vals, writes)]  # the op holds the buffers until it is done
+        body = [
+            self._launch_command(prog, bufs, check_scalars(f"launch {prog.name}", vals), writes)
+        ]  # the op holds the buffers until it is done
         return self._submit(engine, prog.name, body, reads, writes, bufs, None, hold, window)
 
     def _launch_command(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from aruntime.engine import native
 from aruntime.engine.clock import Sample, engine_offset, estimate_offset
-from aruntime.engine.dispatch import Window, dispatch_when_ready
+from aruntime.engine.dispatch import Window, dispatch_when_ready, gate_of
 from aruntime.engine.kernel import Entry, KernelError
 from aruntime.engine.native.engine import NativeEngine
 from aruntime.engine.ops import (
@@ -83,6 +83,7 @@ __all__ = [
     "engine_offset",
     "estimate_offset",
     "first_failure",
+    "gate_of",
     "make_engine",
     "wait_registered",
     "workers_shared",

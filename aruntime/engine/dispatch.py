@@ -6,7 +6,7 @@ from array import array
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Protocol
 
-from aruntime.engine.ops import Command, CommandQueue, Engine, Op, Prepared
+from aruntime.engine.ops import Command, CommandQueue, Engine, Op, Prepared, check_gate
 from aruntime.errors import DeviceError
 from aruntime.events import DependencyEvent, recorder
 from aruntime.helpers import after_all
@@ -23,6 +23,17 @@ class Window(Protocol):
     def _admit(self, ops: Sequence[Op]) -> bool: ...
 
     def _queue_for_room(self, ops: Sequence[Op], go: Callable[[], None]) -> None: ...
+
+
+def gate_of(window: Window | None) -> array[int] | None:
+    """The gate of an op submitted now through ``window`` (None without a window); a TypeError naming ``window``
+    where it is not one, or its gate is not a gate (see :func:`~aruntime.engine.ops.check_gate`)."""
+    if window is None:
+        return None
+    gate = getattr(window, "_gate", None)
+    if gate is None:
+        raise TypeError(f"window must be a Scheduler or None, got {window!r}")
+    return check_gate(gate())
 
 
 def dispatch_when_ready(

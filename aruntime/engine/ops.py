@@ -65,6 +65,14 @@ def new_gate(deadline_ns: int = 0) -> array[int]:
     return array("q", [0, deadline_ns, 0])
 
 
+def check_gate(gate: object) -> array[int]:
+    """``gate`` if it is one (what :func:`new_gate` makes: the queues read and write its three words), else a
+    TypeError."""
+    if not (isinstance(gate, array) and gate.typecode == "q" and len(gate) == 3):
+        raise TypeError(f"a window's gate must be a writable array('q') of 3 words (ops.new_gate), got {gate!r}")
+    return gate
+
+
 def protect(producers: Iterable[Op], gate: array[int] | None) -> None:
     """An op of ``gate`` (None: of no request) reads what ``producers`` write: the request of each producer from
     another one is never skipped from now on, unless it was told to skip already (then the reader fails,

@@ -190,6 +190,12 @@ static PyObject *untracked(PyObject *t) {
   return t;
 }
 
+/* Whether `o` is the int 0, exactly (no error set either way: an int beyond a long only flags its overflow). */
+static int is_zero(PyObject *o) {
+  int overflow = 0;
+  return PyLong_CheckExact(o) && PyLong_AsLongAndOverflow(o, &overflow) == 0 && !overflow;
+}
+
 /* A new reference to `o`; a tuple among them untracked where `untracked` would untrack it (the kernel's argument
  * tuple, made by the caller: the collector does the same on its first pass). */
 static PyObject *untracked_ref(PyObject *o) {
@@ -1354,7 +1360,14 @@ static PyObject *window_gate(PyObject *window) {
     return ATTR(window, s_own_gate);
   }
   Py_XDECREF(request);
-  return PyObject_CallMethodNoArgs(window, s_gate);
+  PyObject *gate = PyObject_GetAttr(window, s_gate);
+  if (!gate && PyErr_ExceptionMatches(PyExc_AttributeError)) { /* dispatch.gate_of's error */
+    PyErr_Clear();
+    PyErr_Format(PyExc_TypeError, "window must be a Scheduler or None, got %R", window);
+  }
+  PyObject *r = gate ? PyObject_CallNoArgs(gate) : NULL;
+  Py_XDECREF(gate);
+  return r;
 }
 
 /* Scheduler._admit((op,)): 1 if the window admits the op now, 0 if not, -1 on error. Here where nothing waits
@@ -1404,6 +1417,21 @@ static int window_admit(PyObject *window, PyObject *op) {
   return rc;
 }
 
+/* The words of `gate` in `view` (to release), where it is a gate: ops.new_gate's writable array('q') of 3 words,
+ * which the core reads and writes. 0, or -1 with ops.check_gate's TypeError. */
+static int gate_words(PyObject *gate, Py_buffer *view) {
+  if (!PyObject_GetBuffer(gate, view, PyBUF_WRITABLE | PyBUF_FORMAT)) {
+    if (view->len == 3 * (Py_ssize_t)sizeof(int64_t) && view->itemsize == sizeof(int64_t) && view->format &&
+        strcmp(view->format, "q") == 0)
+      return 0;
+    PyBuffer_Release(view);
+  }
+  PyErr_Clear();
+  PyErr_Format(PyExc_TypeError, "a window's gate must be a writable array('q') of 3 words (ops.new_gate), got %R",
+               gate);
+  return -1;
+}
+
 /* ops.protect: an op of `gate` (None: of no request) reads what the ops `inputs` write; the request of each of
  * them from another gate is never skipped from now on, unless it was told to skip already. A gate is the array of
  * ops.new_gate: int64 words SKIP (0), DEADLINE (1), SHARED (2), as the core reads them. 0, or -1. */
@@ -1412,18 +1440,10 @@ static int protect(PyObject *inputs, PyObject *gate) {
     PyObject *other = SLOT(PyList_GET_ITEM(inputs, i), S_GATE);
     if (other == Py_None || other == gate) continue;
     Py_buffer view;
-    if (PyObject_GetBuffer(other, &view, PyBUF_WRITABLE | PyBUF_FORMAT)) return -1;
-    int ok = view.len == 3 * (Py_ssize_t)sizeof(int64_t) && view.itemsize == sizeof(int64_t) && view.format &&
-             strcmp(view.format, "q") == 0;
-    if (ok) {
-      int64_t *words = view.buf;
-      if (!__atomic_load_n(&words[0], __ATOMIC_ACQUIRE)) __atomic_store_n(&words[2], 1, __ATOMIC_RELEASE);
-    }
+    if (gate_words(other, &view)) return -1;
+    int64_t *words = view.buf;
+    if (!__atomic_load_n(&words[0], __ATOMIC_ACQUIRE)) __atomic_store_n(&words[2], 1, __ATOMIC_RELEASE);
     PyBuffer_Release(&view);
-    if (!ok) {
-      PyErr_SetString(PyExc_TypeError, "a request's gate must be an array('q') of 3 words (ops.new_gate)");
-      return -1;
-    }
   }
   return 0;
 }
@@ -1461,7 +1481,7 @@ static PyObject *do_submit(PyObject *engine, PyObject *name, PyObject *body, PyO
     set_slot(op, S_GATE, gate);
     Py_DECREF(gate); /* the op holds it */
     Py_buffer view;
-    if (PyObject_GetBuffer(gate, &view, PyBUF_SIMPLE)) goto fail;
+    if (gate_words(gate, &view)) goto fail;
     gate_address = (uint64_t)(uintptr_t)view.buf;
     PyBuffer_Release(&view);
   }
@@ -1644,8 +1664,8 @@ static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return NULL;
   }
   PyObject *dev = args[0], *prog = args[1], *bufs = args[2], *vals = args[3], *window = args[6];
-  if (args[4] != Py_None || args[5] != Py_False || !PyLong_CheckExact(args[7]) ||
-      PyLong_AsLong(args[7]) != 0 || !PyTuple_Check(bufs) || !(PyTuple_Check(vals) || PyList_Check(vals)))
+  if (args[4] != Py_None || args[5] != Py_False || !is_zero(args[7]) || !PyTuple_CheckExact(bufs) ||
+      !(PyTuple_CheckExact(vals) || PyList_CheckExact(vals)))
     Py_RETURN_NONE;
   int ready = device_ready(dev);
   if (ready <= 0) return ready < 0 ? NULL : Py_NewRef(Py_None);
@@ -1831,8 +1851,7 @@ static PyObject *copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   }
   PyObject *dev = args[0], *buf = args[1], *data = args[2], *into = args[3], *window = args[5];
   int out_copy = data == Py_None;
-  if (args[4] != Py_False || !PyLong_CheckExact(args[6]) || PyLong_AsLong(args[6]) != 0)
-    Py_RETURN_NONE;
+  if (args[4] != Py_False || !is_zero(args[6])) Py_RETURN_NONE;
   int ready = device_ready(dev);
   if (ready <= 0) return ready < 0 ? NULL : Py_NewRef(Py_None);
   PyObject *devname = ATTR(dev, s_name), *handle = NULL, *holder = NULL, *dest = NULL, *size = NULL;
