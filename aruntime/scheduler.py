@@ -76,31 +76,25 @@ class Scheduler:
 
     __slots__ = (
         "__weakref__",
+        "_drain_timeout",
         "_failed",
         "_inflight",
         "_lock",
         "_open",
         "_own_gate",
+        "_queue",
         "_queued",
         "_requests",
         "_waiting",
         "_watching",
-        "drain_timeout",
+        "_window",
         "priority",
-        "queue",
-        "window",
     )  # read in place by the native submission path
 
     _request_var = _current_request
     """The context variable of the current task's request (the native submission path reads it)."""
 
     def __init__(self, window: int = 1024, queue: int = 4096, drain_timeout: float = 30.0, priority: int = 0) -> None:
-        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-            raise ValueError(f"window must be a positive int, got {window!r}")
-        if not isinstance(queue, int) or isinstance(queue, bool) or queue < 0:
-            raise ValueError(f"queue must be a non-negative int, got {queue!r}")
-        if not isinstance(drain_timeout, (int, float)) or isinstance(drain_timeout, bool) or not drain_timeout > 0:
-            raise ValueError(f"drain_timeout must be a positive number of seconds, got {drain_timeout!r}")
         self.priority = check_priority(priority, "Scheduler")
         self.window = window
         self.queue = queue
@@ -114,6 +108,40 @@ class Scheduler:
         self._open = False
         self._own_gate = new_gate()  # the gate of ops submitted outside any request
         self._requests: set[Request] = set()  # open requests
+
+    @property
+    def window(self) -> int:
+        """The most ops in flight at once (a positive int); a new value applies from the next op admitted."""
+        return self._window
+
+    @window.setter
+    def window(self, window: int) -> None:
+        if not isinstance(window, int) or isinstance(window, bool) or not 1 <= window < 1 << 62:
+            raise ValueError(f"window must be a positive int, got {window!r}")
+        self._window = window
+
+    @property
+    def queue(self) -> int:
+        """The most ops waiting for room in the window before an op method raises :class:`SchedulerFull`
+        (a non-negative int)."""
+        return self._queue
+
+    @queue.setter
+    def queue(self, queue: int) -> None:
+        if not isinstance(queue, int) or isinstance(queue, bool) or not 0 <= queue < 1 << 62:
+            raise ValueError(f"queue must be a non-negative int, got {queue!r}")
+        self._queue = queue
+
+    @property
+    def drain_timeout(self) -> float:
+        """Seconds that leaving on a failure or a cancellation waits for the ops in flight (positive)."""
+        return self._drain_timeout
+
+    @drain_timeout.setter
+    def drain_timeout(self, drain_timeout: float) -> None:
+        if not isinstance(drain_timeout, (int, float)) or isinstance(drain_timeout, bool) or not drain_timeout > 0:
+            raise ValueError(f"drain_timeout must be a positive number of seconds, got {drain_timeout!r}")
+        self._drain_timeout = drain_timeout
 
     async def __aenter__(self) -> Scheduler:
         await checkpoint()
@@ -217,9 +245,9 @@ class Scheduler:
             if self._waiting:
                 return False
             inflight = self._inflight
-            if len(inflight) >= self.window:
+            if len(inflight) >= self._window:
                 self._retire()
-                if len(inflight) >= self.window:
+                if len(inflight) >= self._window:
                     return False
             inflight.extend(ops)
             return True
@@ -239,12 +267,12 @@ class Scheduler:
         with self._lock:
             self._retire()
             waiting, inflight = self._waiting, self._inflight
-            while waiting and len(inflight) < self.window:
+            while waiting and len(inflight) < self._window:
                 ops, go = waiting.popleft()
                 self._queued -= len(ops)
                 inflight.extend(ops)
                 ready.append(go)
-            full = bool(waiting) or len(inflight) >= self.window  # then inflight is not empty (window >= 1)
+            full = bool(waiting) or len(inflight) >= self._window  # then inflight is not empty (window >= 1)
             oldest = inflight[0] if full else None
             watch = oldest if waiting and not self._watching else None
             if watch is not None:
@@ -287,7 +315,7 @@ class Scheduler:
     def _check_open(self) -> None:
         if not self._open:
             raise RuntimeError("the scheduler is not open: use `async with Scheduler() as sched:`")
-        if self._queued < self.queue:
+        if self._queued < self._queue:
             return
         with self._lock:
             self._retire()

@@ -1,5 +1,5 @@
-"""Kernels shared by the tests: C sources, a gate kernel a test opens by hand, a program that fails, and a two-device
-ping-pong."""
+"""Kernels shared by the tests: C sources, a gate kernel a test opens by hand, a program that fails, a two-device
+ping-pong, and a device on the C or the Python submission path."""
 
 from __future__ import annotations
 
@@ -8,8 +8,11 @@ import ctypes
 from collections.abc import Sequence
 
 import anyio
+import pytest
 
 from aruntime import BaseDevice, Buffer, Program, Scheduler, dtypes, transfer
+from aruntime.engine import NativeEngine
+from aruntime.engine.native import submit
 
 SPINS = 4_000_000_000
 """A gate's spin bound: far more than any test waits (a gate never opened would hang the test's fail_after)."""
@@ -139,3 +142,16 @@ async def ping_pong(devs: Sequence[BaseDevice], n: int, eager: int, scheduled: i
                 sched.transfer(a, b)
             result = sched.copyout(a)
         return list(await result)
+
+
+def on_path(dev: BaseDevice, path: str) -> BaseDevice:
+    """``dev``, submitting on ``path`` (``"c"`` or ``"python"``); the test skips where the C path is unavailable."""
+    if path == "c":
+        if not isinstance(dev.compute, NativeEngine):
+            pytest.skip("the Python engine has no C submission path")
+        if dev.compute.fast is None:
+            pytest.skip(f"the C submission path is unavailable: {submit.unavailable or 'ARUNTIME_FAST_SUBMIT=0'}")
+    else:
+        for engine in dev.engines:
+            engine.fast = None
+    return dev

@@ -28,9 +28,7 @@ import anyio
 import pytest
 
 from aruntime import BaseDevice, Buffer, BufferUsageError, Device, DeviceError, Program, Scheduler, dtypes
-from aruntime.engine import NativeEngine
-from aruntime.engine.native import submit
-from tests.kernels import ADD_ONE, GATE, SPINS
+from tests.kernels import ADD_ONE, GATE, SPINS, on_path
 
 try:
     import numpy as np
@@ -55,21 +53,8 @@ HUGE = 1 << 70
 # ---- devices on each path ------------------------------------------------------------------------------------
 
 
-def _on_path(dev: BaseDevice, path: str) -> BaseDevice:
-    """``dev``, submitting on ``path``; the test skips where the C path is unavailable."""
-    if path == "c":
-        if not isinstance(dev.compute, NativeEngine):
-            pytest.skip("the Python engine has no C submission path")
-        if dev.compute.fast is None:
-            pytest.skip(f"the C submission path is unavailable: {submit.unavailable or 'ARUNTIME_FAST_SUBMIT=0'}")
-    else:
-        for engine in dev.engines:
-            engine.fast = None
-    return dev
-
-
 def _device(path: str, kind: str = "CPU") -> BaseDevice:
-    return _on_path(Device[f"{kind}:{_INDEX[path]}"], path)
+    return on_path(Device[f"{kind}:{_INDEX[path]}"], path)
 
 
 _programs: dict[tuple[str, str, tuple[int, ...] | None], Program] = {}
@@ -788,7 +773,7 @@ async def test_a_view_follows_its_root_allocated_again(path: str) -> None:
 @pytest.mark.parametrize("path", PATHS)
 async def test_ops_on_a_closed_device_and_its_buffers_on_a_reopened_one_are_refused(path: str) -> None:
     name = f"CPU:{_INDEX[path] + 3}"
-    dev = _on_path(Device[name], path)
+    dev = on_path(Device[name], path)
     prog = await dev.compile(ADD_ONE, outs=(0,))
     buf = await dev.allocate(8)
     await dev.aclose()
@@ -800,7 +785,7 @@ async def test_ops_on_a_closed_device_and_its_buffers_on_a_reopened_one_are_refu
     ):
         with pytest.raises(DeviceError, match=f"{what}: {name} is closed"):
             call()
-    fresh = _on_path(Device[name], path)
+    fresh = on_path(Device[name], path)
     try:
         assert fresh is not dev
         with pytest.raises(BufferUsageError, match=f"was allocated on a {name} that has been closed"):

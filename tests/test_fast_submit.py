@@ -411,18 +411,18 @@ async def test_a_damaged_hazard_log_is_an_error_not_a_crash() -> None:
     await dev.copyin(buf, bytes(8))
 
 
-_WINDOW_SLOT: Any = vars(Scheduler)["window"]  # the slot's descriptor
+_WINDOW_SLOT: Any = vars(Scheduler)["_window"]  # the slot's descriptor, behind the `window` property
 
 
 class _NarrowScheduler(Scheduler):
-    """A Scheduler whose window is a property: two ops in flight, whatever its slot holds."""
+    """A Scheduler whose window's slot is a property here: two ops in flight, whatever the slot holds."""
 
-    @property
-    def window(self) -> int:
+    @property  # type: ignore[misc]  # a slot made a property, as a subclass may
+    def _window(self) -> int:
         return 2
 
-    @window.setter
-    def window(self, value: int) -> None:
+    @_window.setter
+    def _window(self, value: int) -> None:
         _WINDOW_SLOT.__set__(self, value)  # the slot holds what it was made with
 
 
@@ -455,17 +455,35 @@ async def test_attributes_read_in_place_follow_a_subclass_and_a_changed_class() 
     assert await _admitted(dev, Scheduler(window=1024)) == [True] * 5
     assert await _admitted(dev, _NarrowScheduler(window=1024)) == [True, True, False, False, False]
     assert await _admitted(dev, _LaterScheduler(window=1024)) == [True] * 5
-    setattr(_LaterScheduler, "window", property(lambda self: 3, _WINDOW_SLOT.__set__))  # noqa: B010  (mypy refuses the assignment)
+    setattr(_LaterScheduler, "_window", property(lambda self: 3, _WINDOW_SLOT.__set__))  # noqa: B010  (mypy refuses the assignment)
     try:
         assert await _admitted(dev, _LaterScheduler(window=1024)) == [True, True, True, False, False]
     finally:
-        delattr(_LaterScheduler, "window")
+        delattr(_LaterScheduler, "_window")
 
 
 class _Foreign:
-    """A class with more slots than a Scheduler has before ``window``: its ``window`` lies elsewhere."""
+    """A class with more slots than a Scheduler has before ``_window``: its ``_window`` lies elsewhere."""
 
-    __slots__ = ("a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l", "m", "n", "o", "p", "window")
+    __slots__ = (
+        "_a",
+        "_b",
+        "_c",
+        "_d",
+        "_e",
+        "_f",
+        "_g",
+        "_h",
+        "_i",
+        "_j",
+        "_k",
+        "_l",
+        "_m",
+        "_n",
+        "_o",
+        "_p",
+        "_window",
+    )
 
 
 async def test_another_classs_slot_put_on_a_class_is_an_error_not_a_read_of_the_wrong_memory() -> None:
@@ -478,10 +496,10 @@ async def test_another_classs_slot_put_on_a_class_is_an_error_not_a_read_of_the_
     sched = _LaterScheduler(window=1024)
     async with sched:
         sched.launch(add, buf, vals=(8,))  # the window's slot read once, in place
-        setattr(_LaterScheduler, "window", vars(_Foreign)["window"])  # noqa: B010  (mypy refuses the assignment)
+        setattr(_LaterScheduler, "_window", vars(_Foreign)["_window"])  # noqa: B010  (mypy refuses the assignment)
         try:
             with pytest.raises(TypeError, match="doesn't apply"):
                 for _ in range(2_000):  # past the window's room, whichever read comes first
                     sched.launch(add, buf, vals=(8,))
         finally:
-            delattr(_LaterScheduler, "window")
+            delattr(_LaterScheduler, "_window")

@@ -233,20 +233,25 @@ class CPUProgram(Program):
         info = json.loads(ctypes.string_at(ctypes.addressof(described)).decode())
         self.signature = Signature(tuple(Param(k, b, t) for k, b, t in info["params"]), info["status"])
         """The kernel's parameters, read from its definition."""
-        self.entry = Entry(name, ctypes.cast(entry, ctypes.c_void_p).value or 0)
+        self._entry = Entry(name, ctypes.cast(entry, ctypes.c_void_p).value or 0)
         params = self.signature.params
         self._pointers = sum(p.kind == "p" for p in params)
         self._scalars = [p for p in params if p.kind != "p"]
         self._format = "=" + "".join(_PACK.get(p.kind, "q" if p.kind == "i" else "Q") for p in params)
         self._order = [p.kind == "p" for p in params]
         if type(self).bind is CPUProgram.bind:  # the native path packs the words as bind does
-            self._plan = (self.entry, bytes(b for p in params for b in (ord(p.kind), p.bits)))
+            self._plan = (self._entry, bytes(b for p in params for b in (ord(p.kind), p.bits)))
+
+    @property
+    def entry(self) -> Entry:
+        """The kernel's generated entry point, which a launch calls."""
+        return self._entry
 
     def bind(self, addresses: Sequence[int], vals: Sequence[int | float]) -> Bound:
         """The kernel's entry and its arguments packed in one buffer: each pointer parameter gets the next
         buffer address, each other parameter the next scalar, converted and checked against its type."""
         holder, address, _ = pin(struct.pack(self._format, *self._words(addresses, vals)))
-        return self.entry, (holder, address)
+        return self._entry, (holder, address)
 
     def _words(self, addresses: Sequence[int], vals: Sequence[int | float]) -> list[Any]:
         """The kernel's arguments in parameter order, as ``_format`` packs them, checked (see :meth:`bind`)."""

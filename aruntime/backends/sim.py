@@ -231,8 +231,8 @@ class SimProgram(CPUProgram):
     def __init__(self, device: BaseDevice, name: str, lib: bytes, outs: Sequence[int] | None = None) -> None:
         super().__init__(device, name, lib, outs)
         assert isinstance(device, SimDevice)
-        self._device = device
-        self.entry = Entry(name, ctypes.cast(self._lib[_SIM + name], ctypes.c_void_p).value or 0)
+        self._sim = device
+        self._entry = Entry(name, ctypes.cast(self._lib[_SIM + name], ctypes.c_void_p).value or 0)
         self._args = struct.Struct("=QQ" + self._format.lstrip("="))
         self._cost: Cost | None = None
 
@@ -257,7 +257,7 @@ class SimProgram(CPUProgram):
         """Seconds a launch with ``vals`` takes (see :attr:`cost`)."""
         cost = self._cost
         if cost is None:
-            return self._device.model.kernel
+            return self._sim.model.kernel
         if not callable(cost):
             return cost
         return _seconds(f"the cost of {self.name} for vals {tuple(vals)!r}", cost(*vals))
@@ -266,9 +266,9 @@ class SimProgram(CPUProgram):
         """The kernel's SIM entry and its arguments: its modelled time, whether it runs (not in timing-only
         mode), then the CPU kernel's arguments (checked as :meth:`CPUProgram.bind` checks them)."""
         words = self._words(addresses, vals)
-        run = not self._device.model.timing_only
+        run = not self._sim.model.timing_only
         holder, address, _ = pin(self._args.pack(_ns(self.time(vals)), run, *words))
-        return self.entry, (holder, address)
+        return self._entry, (holder, address)
 
 
 class SimDevice(CPUDevice):

@@ -54,7 +54,14 @@ class BaseDevice(Closing, ProfileHooks):
     :class:`~aruntime.device.profiling.ProfileHooks`.
     """
 
-    __slots__ = ("compute", "copy", "inline_copy_max", "name", "state")  # read in place when submitting
+    __slots__ = (
+        "_allocator",
+        "_compute",
+        "_copy",
+        "_inline_copy_max",
+        "name",
+        "state",
+    )  # read in place when submitting
 
     kind: ClassVar[str] = ""
     file_backed: ClassVar[bool] = False
@@ -79,14 +86,13 @@ class BaseDevice(Closing, ProfileHooks):
         self.check_name(name)
         self.name = name
         super().__init__()
-        self.allocator = self.allocator_type(name)
+        self._allocator = self.allocator_type(name)
         self.compiler = None if self.compiler_type is None else self.compiler_type()
         timeout = getenv("WAIT_TIMEOUT", 30.0, minimum=0.001)
-        self.inline_copy_max: int = getenv("INLINE_COPY_MAX", 1 << 20, minimum=0)
-        """Copies up to this many bytes that depend on a running kernel go on the compute queue (0: never)."""
-        self.compute = self._make_engine("compute", timeout)
-        self.copy = self._make_engine("copy", timeout)
-        self.engines: tuple[Engine, ...] = (self.compute, self.copy)
+        self.inline_copy_max = getenv("INLINE_COPY_MAX", 1 << 20, minimum=0)
+        self._compute = self._make_engine("compute", timeout)
+        self._copy = self._make_engine("copy", timeout)
+        self.engines: tuple[Engine, ...] = (self._compute, self._copy)
         """Every queue of the device: compute, copy, then the high-priority ones opened so far (see
         :meth:`queue`)."""
         self._high_lock = threading.Lock()
@@ -125,9 +131,9 @@ class BaseDevice(Closing, ProfileHooks):
         """
         if type(priority) is int and priority == 0:  # the default path: nothing more to check
             if kind == "compute":
-                return self.compute
+                return self._compute
             if kind == "copy":
-                return self.copy
+                return self._copy
         if kind not in ("compute", "copy"):
             raise ValueError(f"{self.name}: queue kind must be 'compute' or 'copy', got {kind!r}")
         check_priority(priority, f"{kind} queue of {self.name}")
@@ -150,14 +156,14 @@ class BaseDevice(Closing, ProfileHooks):
                 return opened
             self.check_usable(f"open the high-priority {kind} queue")
             high = self._make_engine(f"{kind}_high", self.timeout)
-            (self.compute if kind == "compute" else self.copy).yield_to(high)
+            (self._compute if kind == "compute" else self._copy).yield_to(high)
             self.engines = (*self.engines, high)
         return high
 
     @property
     def timeout(self) -> float:
         """Seconds a wait on this device's queues may take before it fails (``ARUNTIME_WAIT_TIMEOUT``, default 30)."""
-        return self.compute.signal.timeout
+        return self._compute.signal.timeout
 
     @timeout.setter
     def timeout(self, seconds: float) -> None:
@@ -172,7 +178,7 @@ class BaseDevice(Closing, ProfileHooks):
     @property
     def engine_kind(self) -> str:
         """Which engine runs this device's queues: ``native``, ``python`` or a backend's own (its class name)."""
-        engines = (self.compute, self.copy)
+        engines = (self._compute, self._copy)
         if all(isinstance(e, NativeEngine) for e in engines):
             return "native"
         if all(isinstance(e, ThreadEngine) for e in engines):
@@ -185,7 +191,7 @@ class BaseDevice(Closing, ProfileHooks):
     def host_mapped(self) -> bool:
         """Whether this device's buffers are host memory (CPU, DISK): a transfer runs between two host-mapped
         devices, or within one device; a NULL buffer is not host memory."""
-        return self.allocator.host_mapped
+        return self._allocator.host_mapped
 
     def is_dtype_supported(self, dtype: DType) -> bool:
         """Whether kernels of this device can use ``dtype``: every dtype but bfloat16 (and its vectors) unless a
@@ -211,11 +217,39 @@ class BaseDevice(Closing, ProfileHooks):
                 f"allocate on {self.name}: {dtype!r} is not a storable dtype (a scalar or vector with a size; "
                 "not void, a pointer or an image)"
             )
-        self.allocator.check_size(size * dtype.itemsize)
+        self._allocator.check_size(size * dtype.itemsize)
         if self.file_backed:  # maps the file: system calls, on a worker thread
             make = functools.partial(Buffer, self.name, size, dtype, spec, preallocate=True)
             return await anyio.to_thread.run_sync(make)
         return Buffer(self.name, size, dtype, spec, preallocate=True)
+
+    # what a device is made of never changes while it is open: its ops, buffers and programs rely on it
+    @property
+    def allocator(self) -> Allocator[Any]:
+        """The allocator of this device's memory."""
+        return self._allocator
+
+    @property
+    def compute(self) -> Engine:
+        """The compute queue (normal priority; see :meth:`queue`)."""
+        return self._compute
+
+    @property
+    def copy(self) -> Engine:
+        """The copy queue (normal priority; see :meth:`queue`)."""
+        return self._copy
+
+    @property
+    def inline_copy_max(self) -> int:
+        """Copies up to this many bytes that depend on a running kernel go on the compute queue (0: never); env
+        ``ARUNTIME_INLINE_COPY_MAX``, default 1 MiB. A non-negative int."""
+        return self._inline_copy_max
+
+    @inline_copy_max.setter
+    def inline_copy_max(self, nbytes: int) -> None:
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or not 0 <= nbytes < 1 << 63:
+            raise ValueError(f"{self.name}: inline_copy_max must be a non-negative int of bytes, got {nbytes!r}")
+        self._inline_copy_max = nbytes
 
     def buffer(self, size: int, dtype: DType = dtypes.uint8, spec: BufferSpec | None = None) -> BufferScope:
         """``async with dev.buffer(size, dtype) as buf:`` allocates ``buf`` and frees it on exit (also on
@@ -226,7 +260,7 @@ class BaseDevice(Closing, ProfileHooks):
         """This device's memory counters (see :meth:`LRUAllocator.memory_stats`): bytes ``in_use``,
         ``peak_in_use``, ``cached`` and ``cache_limit``, and counts of allocations, cache hits, frees,
         evictions and flushes."""
-        return self.allocator.memory_stats()
+        return self._allocator.memory_stats()
 
     def metrics(self) -> dict[str, dict[str, Any]]:
         """Live metrics of this device's queues, ``{"compute": {...}, "copy": {...}}`` (and ``"compute_high"``,
@@ -239,7 +273,7 @@ class BaseDevice(Closing, ProfileHooks):
     def flush_cache(self) -> None:
         """Really free the memory this device's allocator keeps cached for reuse (large host buffers go back to
         the operating system); live buffers are untouched."""
-        free_cache = getattr(self.allocator, "free_cache", None)
+        free_cache = getattr(self._allocator, "free_cache", None)
         if free_cache is not None:
             free_cache()
 
@@ -321,10 +355,10 @@ class BaseDevice(Closing, ProfileHooks):
         on the compute queue of that priority right after that kernel, which saves a cross-queue hand-off per
         op."""
         copy = self.queue("copy", priority)
-        compute = self.compute if copy is self.copy else self._high_queue("compute")
+        compute = self._compute if copy is self._copy else self._high_queue("compute")
         if (
             compute is not None
-            and buf.nbytes <= self.inline_copy_max
+            and buf.nbytes <= self._inline_copy_max
             and buf.log.conflicts_on(compute, buf.offset, buf.offset + buf.nbytes, write)
         ):
             return compute
@@ -343,7 +377,7 @@ class BaseDevice(Closing, ProfileHooks):
         ``priority``: 0 (normal) or -1 (high: it overtakes queued normal ops, see
         :meth:`queue`).
         """
-        fast = self.copy.fast
+        fast = self._copy.fast
         if fast is not None and data is not None:  # (C reads None as a copy-out's)
             made: Op | None = fast.copy(self, buf, data, None, hold, window, priority)
             if made is not None:
@@ -371,7 +405,7 @@ class BaseDevice(Closing, ProfileHooks):
         as numbers; a byte view for a dtype :mod:`memoryview` cannot cast to, such
         as float16 or bfloat16). ``hold``, ``window``, ``priority``: see :meth:`copyin`.
         """
-        fast = self.copy.fast
+        fast = self._copy.fast
         if fast is not None:
             made: Op | None = fast.copy(self, buf, None, into, hold, window, priority)
             if made is not None:
@@ -466,7 +500,7 @@ class BaseDevice(Closing, ProfileHooks):
         ``outs`` (default: the program's, else all) are the indices of the buffers it writes;
         the others are only read. ``hold``, ``window``, ``priority``: see :meth:`copyin`.
         """
-        fast = self.compute.fast
+        fast = self._compute.fast
         if fast is not None:
             made: Op | None = fast.launch(self, prog, bufs, vals, outs, hold, window, priority)
             if made is not None:

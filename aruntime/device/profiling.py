@@ -11,8 +11,16 @@ class ProfileHooks:
     overrides it)."""
 
     name: str
-    compute: Engine
-    copy: Engine
+
+    @property
+    def compute(self) -> Engine:
+        """The device's compute queue (the device defines it)."""
+        raise NotImplementedError
+
+    @property
+    def copy(self) -> Engine:
+        """The device's copy queue (the device defines it)."""
+        raise NotImplementedError
 
     def finalize_profile(self) -> DeviceEvent:
         """Called when profiling finishes: this device's clock offsets against the host clock.

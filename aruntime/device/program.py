@@ -15,7 +15,7 @@ Bound = tuple[Callable[..., object], tuple[Any, ...]]
 class Program:
     """A compiled kernel of one device; :meth:`bind` says what the compute engine calls for a launch."""
 
-    __slots__ = ("__dict__", "__weakref__", "device", "lib", "name", "outs")  # read in place when submitting
+    __slots__ = ("__dict__", "__weakref__", "_device", "_outs", "lib", "name")  # read in place when submitting
 
     _plan: tuple[Callable[..., object], bytes | None] | None = None
     """How the native submission path binds a launch as :meth:`bind` does, or None where only :meth:`bind` can:
@@ -24,10 +24,20 @@ class Program:
     for a callable that takes no arguments, any buffers and no scalars."""
 
     def __init__(self, device: BaseDevice, name: str, lib: bytes, outs: Sequence[int] | None = None) -> None:
-        self.device = device
+        self._device = device
         self.name = name
         self.lib = lib
-        self.outs = None if outs is None else tuple(outs)
+        self._outs = None if outs is None else tuple(outs)
+
+    @property
+    def device(self) -> BaseDevice:
+        """The device it was compiled for, the only one that launches it."""
+        return self._device
+
+    @property
+    def outs(self) -> tuple[int, ...] | None:
+        """The indices of the buffers a launch writes (None: all of them), as given to ``compile``."""
+        return self._outs
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} on {self.device.name}>"

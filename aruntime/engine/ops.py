@@ -183,6 +183,8 @@ class Op:
     """
 
     __slots__ = (
+        "_pend",
+        "_value",
         "at",
         "cell",
         "cmds",
@@ -196,9 +198,7 @@ class Op:
         "later",
         "name",
         "observed",
-        "pend",
         "result",
-        "value",
     )
 
     def __init__(self, name: str, deps: Sequence[Op] = (), keep: Any = None, result: Any = None) -> None:
@@ -211,11 +211,11 @@ class Op:
         self.observed = False
         self.engine: Engine | None = None
         self.cmds: Sequence[Command] | None = None  # held from submission until the op has run
-        self.value = 0
+        self._value = 0
         self.later: Later | None = None  # held: (on_dispatch, callback, where); () until something waits
         self.cell: array[int] | None = None  # pending in the native core: the array where it writes the op's value,
         self.at = 0  # at this index (ops share an array: no tracked object per op)
-        self.pend = 0  # pending in the native core: its record there
+        self._pend = 0  # pending in the native core: its record there
         self.gate: array[int] | None = None  # submitted in a request: see skip_error
         self.id = next(op_ids)
 
@@ -224,9 +224,20 @@ class Op:
         return f"<Op #{self.id} {self.name} {state}>"
 
     @property
+    def value(self) -> int:
+        """The value its engine's signal reaches when it is done (:data:`HELD` while it is held); set by its
+        engine only."""
+        return self._value
+
+    @property
+    def pend(self) -> int:
+        """Pending in the native core: its record there (0 otherwise); set by its engine only."""
+        return self._pend
+
+    @property
     def dispatched(self) -> bool:
         """Whether the op has been handed to its engine (it is not held)."""
-        return self.engine is not None and (self.value != HELD or (self.cell is not None and self._resolve()))
+        return self.engine is not None and (self._value != HELD or (self.cell is not None and self._resolve()))
 
     def _resolve(self) -> bool:
         """For an op pending in the native core: whether the core has handed it to its queue; if so, take its
@@ -237,13 +248,13 @@ class Op:
             return False
         engine = self.engine
         if value == ABANDONED:
-            if self.value == HELD:
+            if self._value == HELD:
                 self.abandon(engine, DeviceError(f"{self.name}: {engine.signal.name} is closed"))
             return True
         with _later_lock:
-            if self.value != HELD:  # another thread took it
+            if self._value != HELD:  # another thread took it
                 return True
-            self.value = value
+            self._value = value
             later, self.later = self.later, None
         engine.held.discard(self)
         _run_later(engine, self, later or ())
@@ -252,7 +263,7 @@ class Op:
     def hold(self, engine: Engine) -> None:
         """Bind the op to ``engine`` without handing it over yet (see :meth:`Engine.push`)."""
         self.engine = engine
-        self.value = HELD
+        self._value = HELD
         self.later = ()  # a list once something waits for it: no tracked object per op until then
         engine.held.add(self)
 
@@ -263,7 +274,7 @@ class Op:
             later, self.later = self.later or (), None
             engine._fail(self, error)  # an OpError naming the op and queue, ``error`` its cause
             self.engine = engine
-            self.value = 0  # done: every timeline is at 0 or beyond
+            self._value = 0  # done: every timeline is at 0 or beyond
         engine.held.discard(self)
         engine._note_failure(self)
         for _, callback, _ in later:
@@ -272,13 +283,13 @@ class Op:
     def _when(self, on_dispatch: bool, callback: Callable[[], None]) -> None:
         engine = self._submitted()
         signal = engine.signal
-        if self.value == HELD and self.cell is not None and not self._resolve():
+        if self._value == HELD and self.cell is not None and not self._resolve():
             # pending in the native core: look again once the core hands it on (it tells this thread's loop)
             engine.when_handed_on(self, lambda: self._when(on_dispatch, callback))
             return
-        if self.value == HELD:
+        if self._value == HELD:
             with _later_lock:
-                if self.value == HELD:
+                if self._value == HELD:
                     later = self.later
                     assert later is not None
                     item = (on_dispatch, callback, None if on_dispatch else signal.here())
@@ -290,7 +301,7 @@ class Op:
         if on_dispatch:
             callback()
         else:
-            signal.on_reach(self.value, callback)
+            signal.on_reach(self._value, callback)
 
     def _frontier(self) -> Op | None:
         """For an op pending in the native core: an op it waits for, directly or through other pending ops, that
@@ -332,14 +343,14 @@ class Op:
         """Wait until the op is done, whatever its outcome (cancelling the wait leaves the op alone); a
         checkpoint even when it is done."""
         engine = self._submitted()
-        if self.value == HELD:
+        if self._value == HELD:
             limit = engine.signal.timeout
             await wait_registered(self.when_done, limit, lambda: self._held_timeout(limit))
         else:
-            await engine.signal.wait_async(self.value)
+            await engine.signal.wait_async(self._value)
 
     def _held_timeout(self, limit: float) -> SignalTimeout:
-        state = "still held (not handed to its engine)" if self.value == HELD else "not done"
+        state = "still held (not handed to its engine)" if self._value == HELD else "not done"
         return SignalTimeout(f"{self.name} on {self._submitted().signal.name}: {state} after {limit:g} s")
 
     def done(self) -> bool:
@@ -352,9 +363,9 @@ class Op:
         engine = self.engine
         if engine is None:
             return False
-        if self.value == HELD and (self.cell is None or not self._resolve()):
+        if self._value == HELD and (self.cell is None or not self._resolve()):
             return False
-        if engine.signal.value < self.value:
+        if engine.signal.value < self._value:
             return False
         if self.cmds is not None or engine.failures[0] != engine.failures_seen:
             engine.retire()
@@ -379,11 +390,11 @@ class Op:
 
     def __await__(self) -> Generator[Any, None, Any]:
         signal = self._submitted().signal
-        if signal.value < self.value:
-            if self.value == HELD:
+        if signal.value < self._value:
+            if self._value == HELD:
                 yield from self.settled().__await__()
             else:  # what settled() does, without two coroutine frames per await
-                yield from signal.wait_async(self.value).__await__()
+                yield from signal.wait_async(self._value).__await__()
         else:  # done: still a checkpoint; an awaiter cancelled here leaves a failure unobserved
             yield from checkpoint()
         return self._outcome()
@@ -396,7 +407,7 @@ class Op:
     def wait_done(self, timeout: float | None = None) -> None:
         """Block the calling thread until the op is done, whatever its outcome."""
         signal = self._submitted().signal
-        if self.value == HELD and self.cell is not None:
+        if self._value == HELD and self.cell is not None:
             limit = signal.timeout if timeout is None else timeout
             deadline = time.monotonic() + limit
             while not self._resolve():
@@ -408,8 +419,8 @@ class Op:
                     front.wait_done(max(0.0, deadline - time.monotonic()))
                 except SignalTimeout:
                     raise self._held_timeout(limit) from None
-        if self.value != HELD:
-            signal.wait(self.value, timeout)
+        if self._value != HELD:
+            signal.wait(self._value, timeout)
             return
         finished = threading.Event()
         self.when_done(finished.set)
@@ -487,7 +498,7 @@ class Engine:
         with self._lock:
             self.check_open(op.name)
             if not self.assigns_values:
-                self.last = op.value = self.last + 1
+                self.last = op._value = self.last + 1
             op.engine = self
             op.cmds = cmds
             self._enqueue(cmds, op)

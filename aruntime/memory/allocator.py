@@ -410,10 +410,8 @@ class HostAllocator(HostAddressed, LRUAllocator[int]):
     def _free(self, handle: int, size: int, spec: BufferSpec) -> None:
         if spec.external_ptr is not None:
             return
-        if size < self.mmap_min:
+        if not self._maps.release(handle):  # what it came from, whatever mmap_min says now
             _libc_free(handle)
-            return
-        self._maps.release(handle)
 
     def _as_buffer(self, handle: int, size: int) -> memoryview:
         return (self._maps.view(handle, size) if self._maps else None) or host_view(handle, size)

@@ -100,6 +100,10 @@ def _release(allocator: Allocator[Any], handle: Any, nbytes: int, spec: BufferSp
             allocator._count(-nbytes)
 
 
+_FIXED = frozenset(("base", "device", "dtype", "handle", "log", "nbytes", "offset", "size", "spec"))
+"""What a buffer is (read-only): a subclass of :class:`Buffer` may not redefine it."""
+
+
 class Buffer:
     """``size`` elements of ``dtype`` on ``device``; allocated on first need, not at construction.
 
@@ -112,20 +116,26 @@ class Buffer:
         "__weakref__",
         "_after_loans",
         "_base",
+        "_device",
+        "_dtype",
         "_freed",
         "_generation",
         "_handle",
         "_keep",
         "_loans",
+        "_log",
+        "_nbytes",
+        "_offset",
         "_owner",
-        "device",
-        "dtype",
-        "log",
-        "nbytes",
-        "offset",
-        "size",
-        "spec",
+        "_size",
+        "_spec",
     )  # slots: the native submission path reads them where they lie
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        redefined = sorted(_FIXED.intersection(vars(cls)))
+        if redefined:  # the queues, the hazard logs and the allocator read them as Buffer defines them
+            raise TypeError(f"{cls.__name__} redefines {', '.join(redefined)} of Buffer, which a subclass keeps")
 
     def __init__(
         self,
@@ -145,13 +155,13 @@ class Buffer:
                 f"buffer dtype must be a scalar or vector DType with a non-zero itemsize (not a pointer or an "
                 f"image), got {dtype!r}"
             )
-        self.device = canonicalize(device)
-        self.size = size
-        self.dtype = dtype
-        self.nbytes = size * dtype.itemsize
+        self._device = canonicalize(device)
+        self._size = size
+        self._dtype = dtype
+        self._nbytes = size * dtype.itemsize
         if spec is not None and not isinstance(spec, BufferSpec):
             raise BufferUsageError(f"buffer spec must be a BufferSpec, got {type(spec).__name__}")
-        self.spec = spec or DEFAULT_SPEC
+        self._spec = spec or DEFAULT_SPEC
         self._handle: Any = None
         self._freed = False
         self._owner: BaseDevice | None = None
@@ -163,28 +173,64 @@ class Buffer:
             if offset != 0:
                 raise BufferUsageError("a base buffer has no offset; pass base= to make a view")
             self._base: Buffer | None = None
-            self.offset = 0
-            self.log = AccessLog()
+            self._offset = 0
+            self._log = AccessLog()
         else:
             root = base.base
-            if base.device != self.device:  # both canonical
-                raise BufferUsageError(f"a view on {self.device} cannot share a buffer of {base.device}")
+            if base.device != self._device:  # both canonical
+                raise BufferUsageError(f"a view on {self._device} cannot share a buffer of {base.device}")
             self._base = root
-            self.offset = base.offset + offset  # a root's offset is 0
-            if offset < 0 or self.offset + self.nbytes > root.nbytes:
+            self._offset = base.offset + offset  # a root's offset is 0
+            if offset < 0 or self._offset + self._nbytes > root.nbytes:
                 raise BufferUsageError(
-                    f"view of {self.nbytes} bytes at offset {self.offset} is out of range of its "
+                    f"view of {self._nbytes} bytes at offset {self._offset} is out of range of its "
                     f"{root.nbytes}-byte root buffer"
                 )
-            self.log = root.log
+            self._log = root.log
         if preallocate or initial_value is not None:
             self.allocate()
             if initial_value is not None:
                 self.copyin(memoryview(initial_value))
 
     def __repr__(self) -> str:
-        view = f" view of {self._base!r} at {self.offset}" if self._base is not None else ""
-        return f"<Buffer {self.device} {self.size} x {self.dtype!r}{view}>"
+        view = f" view of {self._base!r} at {self._offset}" if self._base is not None else ""
+        return f"<Buffer {self._device} {self._size} x {self._dtype!r}{view}>"
+
+    # what a buffer is never changes once it is made: the queues, the hazard logs and the allocator rely on it
+    @property
+    def device(self) -> str:
+        """The canonical name of the device this buffer lives on."""
+        return self._device
+
+    @property
+    def size(self) -> int:
+        """The number of elements."""
+        return self._size
+
+    @property
+    def dtype(self) -> DType:
+        """The type of each element."""
+        return self._dtype
+
+    @property
+    def nbytes(self) -> int:
+        """``size * dtype.itemsize``."""
+        return self._nbytes
+
+    @property
+    def offset(self) -> int:
+        """Where a view starts in its root buffer, in bytes (0 for a root)."""
+        return self._offset
+
+    @property
+    def spec(self) -> BufferSpec:
+        """How the memory is allocated (see :class:`BufferSpec`)."""
+        return self._spec
+
+    @property
+    def log(self) -> AccessLog:
+        """The in-flight accesses to the root buffer's memory (shared by its views)."""
+        return self._log
 
     @property
     def base(self) -> Buffer:
@@ -195,7 +241,7 @@ class Buffer:
     def owner(self) -> BaseDevice:
         """The device this buffer lives on (opened on first use; a root keeps the one it was allocated on)."""
         owner = (self if self._base is None else self._base)._owner
-        return _open_device(self.device) if owner is None else owner
+        return _open_device(self._device) if owner is None else owner
 
     @property
     def allocator(self) -> Allocator[Any]:
@@ -235,23 +281,23 @@ class Buffer:
             base.ensure_allocated()
             offset = getattr(allocator, "_offset", None)
             if offset is None:
-                raise BufferUsageError(f"{self.device} does not support buffer views")
-            self._handle = offset(base._handle, self.nbytes, self.offset)
+                raise BufferUsageError(f"{self._device} does not support buffer views")
+            self._handle = offset(base._handle, self._nbytes, self._offset)
             self._generation = base._generation
             return self
-        owner = _open_device(self.device)  # (re)allocate on the device opened under this name now
+        owner = _open_device(self._device)  # (re)allocate on the device opened under this name now
         allocator = owner.allocator
-        spec = self.spec
+        spec = self._spec
         if external_ptr is not None:
             spec = replace(spec, external_ptr=external_ptr)
-        self._handle = allocator.alloc(self.nbytes, spec)
+        self._handle = allocator.alloc(self._nbytes, spec)
         self._owner = owner
-        self.spec = spec
+        self._spec = spec
         self._freed = False
         self._generation += 1
         if spec.external_ptr is None and not owner.file_backed:
             with _counter_lock:
-                allocator._count(self.nbytes)
+                allocator._count(self._nbytes)
         return self
 
     def deallocate(self) -> None:
@@ -265,22 +311,22 @@ class Buffer:
         """:meth:`deallocate`, returning the ops still in flight on the memory (a view: on its root's)."""
         if self._handle is None:
             raise BufferUsageError(f"{self!r} is not allocated")
+        pending = self._log.pending()
         handle, self._handle = self._handle, None
         if self._base is not None:
-            return self.log.pending()
+            return pending
         self._freed = True
-        pending = self.log.pending()
         lent = self._loans > 0  # read again under the lock below where it is
-        spec = self.spec
+        spec = self._spec
         if spec.external_ptr is not None:  # caller-owned memory: nothing to free, let go of what keeps it
             release: Callable[[], None] = partial(_let_go, self._keep)
             self._keep = None
         elif pending or lent:  # what the handle came from, fixed now: the buffer may be allocated again meanwhile
             owner = self.owner
-            release = partial(_release, owner.allocator, handle, self.nbytes, spec, not owner.file_backed)
+            release = partial(_release, owner.allocator, handle, self._nbytes, spec, not owner.file_backed)
         else:
             owner = self.owner
-            _release(owner.allocator, handle, self.nbytes, spec, not owner.file_backed)
+            _release(owner.allocator, handle, self._nbytes, spec, not owner.file_backed)
             return pending
         with _counter_lock:
             lent = self._loans > 0
@@ -313,17 +359,17 @@ class Buffer:
         """A view of ``size`` elements of ``dtype`` at byte ``offset`` into this buffer."""
         if not isinstance(offset, int) or offset < 0:
             raise BufferUsageError(f"view offset must be a non-negative int, got {offset!r}")
-        return Buffer(self.device, size, dtype, base=self, offset=offset)
+        return Buffer(self._device, size, dtype, base=self, offset=offset)
 
     def _wait_idle(self) -> None:
-        for op in self.log.pending():
+        for op in self._log.pending():
             op.wait_done()
 
     def copyin(self, src: memoryview) -> Buffer:
         """Copy ``src`` (exactly ``nbytes`` long) into the buffer, blocking this thread."""
         src = _checked_view(src, "copyin source")
-        if src.nbytes != self.nbytes:
-            raise BufferUsageError(f"copyin of {src.nbytes} bytes into {self!r} of {self.nbytes} bytes")
+        if src.nbytes != self._nbytes:
+            raise BufferUsageError(f"copyin of {src.nbytes} bytes into {self!r} of {self._nbytes} bytes")
         handle = self.handle
         self._wait_idle()
         self.allocator._copyin(handle, src)
@@ -332,8 +378,8 @@ class Buffer:
     def copyout(self, dest: memoryview) -> memoryview:
         """Copy the buffer into ``dest`` (exactly ``nbytes`` long), blocking this thread."""
         dest = _checked_view(dest, "copyout destination")
-        if dest.nbytes != self.nbytes:
-            raise BufferUsageError(f"copyout of {self!r} ({self.nbytes} bytes) into {dest.nbytes} bytes")
+        if dest.nbytes != self._nbytes:
+            raise BufferUsageError(f"copyout of {self!r} ({self._nbytes} bytes) into {dest.nbytes} bytes")
         handle = self.handle
         self._wait_idle()
         self.allocator._copyout(dest, handle)
@@ -345,9 +391,9 @@ class Buffer:
         if allow_zero_copy and as_buffer is not None:
             handle = self.handle
             self._wait_idle()
-            view: memoryview = as_buffer(handle, self.nbytes)
+            view: memoryview = as_buffer(handle, self._nbytes)
             return view
-        return self.copyout(zeroed(self.nbytes))
+        return self.copyout(zeroed(self._nbytes))
 
     def __dlpack__(
         self,
@@ -373,11 +419,11 @@ class Buffer:
 
     def __reduce__(self) -> tuple[Any, ...]:
         if self._base is not None:
-            args = (self.device, self.size, self.dtype, None, None, self._base, self.offset, self.is_allocated())
+            args = (self._device, self._size, self._dtype, None, None, self._base, self._offset, self.is_allocated())
             return (Buffer, args)
         contents = bytes(self.as_buffer()) if self.is_allocated() else None
-        spec = replace(self.spec, external_ptr=None)
-        return (Buffer, (self.device, self.size, self.dtype, spec, contents))
+        spec = replace(self._spec, external_ptr=None)
+        return (Buffer, (self._device, self._size, self._dtype, spec, contents))
 
 
 def from_dlpack(obj: Any, device: str | None = None) -> Buffer:

@@ -222,9 +222,11 @@ class _Packed(Prepared):
 
 def _cell_address(op: Op) -> int:
     """The address of the word the core writes a pending ``op``'s value into (see :attr:`Op.cell`)."""
-    cell = op.cell
+    cell, at = op.cell, op.at
     assert cell is not None
-    return int(cell.buffer_info()[0]) + 8 * op.at
+    if not (type(at) is int and 0 <= at < len(cell)):  # the core writes there
+        raise ValueError(f"{op!r}: its cell is out of range")
+    return int(cell.buffer_info()[0]) + 8 * at
 
 
 def _u64s(address: int, count: int) -> memoryview:
@@ -407,7 +409,7 @@ class NativeEngine(Engine):
         if not value:
             self._python.pop(op.id, None)
             raise MemoryError(f"{op.name}: no memory for the commands of {self.signal.name}")
-        op.value = value
+        op._value = value
         self._inflight_keep.append(keep)  # before the op: a retire that finds the op finds what it keeps
         inflight.append(op)
 
@@ -431,7 +433,7 @@ class NativeEngine(Engine):
             if not pend:
                 self._python.pop(op.id, None)
                 raise MemoryError(f"{op.name}: no memory for the commands of {self.signal.name}")
-            op.pend = pend
+            op._pend = pend
             op.hold(self)
             with self._retire_lock:  # retire() replaces the lists
                 self._pended.append(op)

@@ -68,7 +68,7 @@ static PyObject *g_later_acquire, *g_later_release; /* the methods of the lock o
 enum { S_AT, S_CELL, S_CMDS, S_DEPS, S_ENGINE, S_ERROR, S_GATE, S_ID, S_INPUTS, S_KEEP, S_LATER, S_NAME,
        S_OBSERVED, S_PEND, S_RESULT, S_VALUE, N_SLOTS };
 static const char *slot_names[N_SLOTS] = {"at",   "cell",   "cmds", "deps",     "engine", "error",  "gate", "id",
-                                          "inputs", "keep", "later", "name", "observed", "pend", "result", "value"};
+                                          "inputs", "keep", "later", "name", "observed", "_pend", "result", "_value"};
 static Py_ssize_t g_off[N_SLOTS];
 
 #define SLOT(op, s) (*(PyObject **)((char *)(op) + g_off[s]))
@@ -1861,8 +1861,8 @@ static PyObject *copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   if (ok <= 0) goto checked;
   size = ATTR(buf, s_nbytes);
   Py_ssize_t want = size ? PyLong_AsSsize_t(size) : -1;
-  if (want < 0) {
-    ok = -1;
+  if (want < 0) { /* an error, or no size a buffer has: Python's */
+    ok = 0;
     goto checked;
   }
   if (out_copy && into == Py_None) { /* typed(zeroed(nbytes), buf.dtype), as copyout makes it */
@@ -2301,23 +2301,23 @@ PyMODINIT_FUNC PyInit__submit(void) {
     PyObject **where;
     const char *text;
   } names[] = {
-      {&s_log, "log"},          {&s_offset, "offset"},     {&s_nbytes, "nbytes"},     {&s_entries, "entries"},
+      {&s_log, "_log"},          {&s_offset, "_offset"},     {&s_nbytes, "_nbytes"},     {&s_entries, "entries"},
       {&s_signal, "signal"},    {&s_ptr, "ptr"},           {&s_timeout, "timeout"},   {&s_closed, "closed"},
       {&s_lock, "_lock"},       {&s_inflight, "_inflight"}, {&s_done, "done"},
-      {&s_dispatched, "dispatched"}, {&s_address, "address"}, {&s_python, "_python"}, {&s_thread, "_thread"},
+      {&s_dispatched, "dispatched"}, {&s_address, "_address"}, {&s_python, "_python"}, {&s_thread, "_thread"},
       {&s_python_runs, "_python_runs"}, {&s_check_open, "check_open"}, {&s_acquire, "acquire"},
       {&s_release, "release"},  {&s_append, "append"},
       {&s_failures_seen, "failures_seen"}, {&s_failed, "_failed"},
-      {&s_state, "state"},      {&s_open, "open"},         {&s_enabled, "enabled"},   {&s_device, "device"},
-      {&s_plan, "_plan"},       {&s_outs, "outs"},         {&s_name, "name"},         {&s_compute, "compute"},
-      {&s_copy, "copy"},        {&s_base, "_base"},        {&s_handle, "_handle"},    {&s_generation, "_generation"},
-      {&s_owner, "_owner"},     {&s_dtype, "dtype"},       {&s_copy_fn, "copy_fn"},   {&s_inline, "inline_copy_max"},
+      {&s_state, "state"},      {&s_open, "open"},         {&s_enabled, "enabled"},   {&s_device, "_device"},
+      {&s_plan, "_plan"},       {&s_outs, "_outs"},         {&s_name, "name"},         {&s_compute, "_compute"},
+      {&s_copy, "_copy"},        {&s_base, "_base"},        {&s_handle, "_handle"},    {&s_generation, "_generation"},
+      {&s_owner, "_owner"},     {&s_dtype, "_dtype"},       {&s_copy_fn, "copy_fn"},   {&s_inline, "_inline_copy_max"},
       {&s_fast_state, "_fast_state"}, {&s_retire_lock, "_retire_lock"}, {&s_popleft, "popleft"},
       {&s_gate, "_gate"},       {&s_admit, "_admit"},
       {&s_pended, "_pended"},   {&s_pended_keep, "_pended_keep"}, {&s_pended_at, "_pended_at"},
       {&s_retire_python, "_retire"}, {&s_cell_at, "_cell_at"}, {&s_cells, "_cells"}, {&s_held, "held"},
-      {&s_request_var, "_request_var"}, {&s_own_gate, "_own_gate"}, {&s_waiting, "_waiting"}, {&s_window, "window"},
-      {&s_sched_open, "_open"}, {&s_queued, "_queued"}, {&s_queue, "queue"}, {&s_priority, "priority"},
+      {&s_request_var, "_request_var"}, {&s_own_gate, "_own_gate"}, {&s_waiting, "_waiting"}, {&s_window, "_window"},
+      {&s_sched_open, "_open"}, {&s_queued, "_queued"}, {&s_queue, "_queue"}, {&s_priority, "priority"},
       {&s_fast, "fast"},
   };
   for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
