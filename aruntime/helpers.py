@@ -107,6 +107,18 @@ def after_all(count: int, callback: Callable[[], None]) -> Callable[[], None]:
     return one
 
 
+MAX_SECONDS = 1e9
+"""The longest timeout or deadline (about 31 years): beyond it a wait in nanoseconds no longer fits 64 bits."""
+
+
+def check_seconds(what: str, seconds: object) -> float:
+    """``seconds`` as a float where it is a positive number of seconds (an int or float, not a bool) below
+    :data:`MAX_SECONDS`; else a :class:`ValueError` naming ``what``."""
+    if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and 0 < seconds < MAX_SECONDS:
+        return float(seconds)
+    raise ValueError(f"{what} must be a positive number of seconds, finite and below 1e9, got {seconds!r}")
+
+
 @types.coroutine
 def checkpoint() -> Generator[Any, None, None]:
     """Check for cancellation and let the event loop run other tasks once: ``await checkpoint()``, or

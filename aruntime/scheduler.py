@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import math
 import threading
 import time
 from array import array
@@ -35,7 +34,7 @@ from aruntime.engine import Op, first_failure
 from aruntime.engine.native import submit
 from aruntime.engine.ops import DEADLINE, SHARED, SKIP, check_priority, new_gate
 from aruntime.errors import BufferUsageError, DeadlineExceeded, DeviceError, OpError, SchedulerFull, SignalTimeout
-from aruntime.helpers import after_all, checkpoint
+from aruntime.helpers import after_all, check_seconds, checkpoint
 from aruntime.memory import Buffer
 
 if TYPE_CHECKING:
@@ -139,9 +138,7 @@ class Scheduler:
 
     @drain_timeout.setter
     def drain_timeout(self, drain_timeout: float) -> None:
-        if not isinstance(drain_timeout, (int, float)) or isinstance(drain_timeout, bool) or not drain_timeout > 0:
-            raise ValueError(f"drain_timeout must be a positive number of seconds, got {drain_timeout!r}")
-        self._drain_timeout = drain_timeout
+        self._drain_timeout = check_seconds("drain_timeout", drain_timeout)
 
     async def __aenter__(self) -> Scheduler:
         await checkpoint()
@@ -193,11 +190,7 @@ class Scheduler:
         skip covers both, and while the inner block is open the earlier of the two deadlines applies to the
         ops of both. Graph replays are never skipped, and a request that a replay reads from is not either.
         """
-        if deadline is not None and (
-            not isinstance(deadline, (int, float)) or isinstance(deadline, bool) or not 0 < deadline < math.inf
-        ):
-            raise ValueError(f"deadline must be a positive, finite number of seconds, got {deadline!r}")
-        return Request(self, deadline)
+        return Request(self, None if deadline is None else check_seconds("deadline", deadline))
 
     def _open_request(self) -> Request | None:
         """The current task's innermost request of this scheduler that is still open (a task started inside a

@@ -215,7 +215,9 @@ async def test_enqueue_outside_the_context_is_an_error() -> None:
         Scheduler(window=0)
     with pytest.raises(ValueError, match="queue must be a non-negative int, got -1"):
         Scheduler(queue=-1)
-    with pytest.raises(ValueError, match="drain_timeout must be a positive number of seconds, got -1"):
+    with pytest.raises(
+        ValueError, match="drain_timeout must be a positive number of seconds, finite and below 1e9, got -1"
+    ):
         Scheduler(drain_timeout=-1)
 
 

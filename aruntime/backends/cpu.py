@@ -48,7 +48,7 @@ from aruntime.memory import HostAllocator, pin
 
 FLAGS = ("-O3", "-march=native")
 """The default optimisation flags of CPU kernels."""
-_BUILD = ("-fPIC", "-shared")
+_BUILD = ("-fPIC", "-shared", "-Wl,-Bsymbolic")  # a kernel named like a libc function calls itself
 _ENTRY = "__aruntime_entry_"
 _SIGNATURE = "__aruntime_signature_"
 

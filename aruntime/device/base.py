@@ -38,7 +38,7 @@ from aruntime.engine import (
 )
 from aruntime.engine.ops import check_priority, protect
 from aruntime.errors import BufferUsageError, DeviceError
-from aruntime.helpers import checkpoint, getenv, is_index
+from aruntime.helpers import check_seconds, checkpoint, getenv, is_index
 from aruntime.memory import Allocator, Buffer, BufferScope, BufferSpec, pin, typed, zeroed
 
 
@@ -167,10 +167,9 @@ class BaseDevice(Closing, ProfileHooks):
 
     @timeout.setter
     def timeout(self, seconds: float) -> None:
-        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not seconds > 0:
-            raise ValueError(f"{self.name}: timeout must be a positive number of seconds, got {seconds!r}")
+        checked = check_seconds(f"{self.name}: timeout", seconds)
         for engine in self.engines:
-            engine.signal.timeout = float(seconds)
+            engine.signal.timeout = checked
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} ({self.engine_kind} engine)>"
@@ -426,6 +425,9 @@ class BaseDevice(Closing, ProfileHooks):
     def _transfer(self, dst: Buffer, src: Buffer, hold: bool, window: Window | None, priority: int = 0) -> Op:
         """:func:`transfer` on this device's copy engine (the device :func:`transfer_device` picked)."""
         src_dev, dst_dev = src.owner, dst.owner
+        for dev in (src_dev, dst_dev):  # the other device too: a closed one takes no new work
+            if dev.state != "open":
+                dev.check_usable("transfer")
         src_handle = src_dev._check(src, "transfer")
         dst_handle = dst_dev._check(dst, "transfer")
         if dst.nbytes != src.nbytes:

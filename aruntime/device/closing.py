@@ -10,7 +10,7 @@ import anyio
 
 from aruntime.device.settling import Settling
 from aruntime.errors import DeviceError
-from aruntime.helpers import checkpoint
+from aruntime.helpers import check_seconds, checkpoint
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -77,6 +77,8 @@ class Closing(Settling):
         and the device stays open and usable. Closing a closed device does nothing; closing from one of the
         device's own engine threads (a kernel) is a :class:`DeviceError`.
         """
+        if timeout is not None:
+            check_seconds(f"close {self.name}: timeout", timeout)
         if not self._begin_close():
             return
         settled = False

@@ -176,6 +176,10 @@ class Buffer:
             self._offset = 0
             self._log = AccessLog()
         else:
+            if not isinstance(base, Buffer):
+                raise BufferUsageError(f"a view's base must be a Buffer, got {type(base).__name__}")
+            if not isinstance(offset, int) or isinstance(offset, bool):
+                raise BufferUsageError(f"a view's offset must be an int of bytes, got {offset!r}")
             root = base.base
             if base.device != self._device:  # both canonical
                 raise BufferUsageError(f"a view on {self._device} cannot share a buffer of {base.device}")
@@ -357,7 +361,7 @@ class Buffer:
 
     def view(self, size: int, dtype: DType, offset: int) -> Buffer:
         """A view of ``size`` elements of ``dtype`` at byte ``offset`` into this buffer."""
-        if not isinstance(offset, int) or offset < 0:
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
             raise BufferUsageError(f"view offset must be a non-negative int, got {offset!r}")
         return Buffer(self._device, size, dtype, base=self, offset=offset)
 

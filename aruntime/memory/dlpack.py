@@ -165,6 +165,9 @@ def export(
     """``buf.__dlpack__()``: a capsule holding a managed DLPack tensor over ``buf``'s memory (the versioned
     struct when the consumer's ``max_version`` allows it, the unversioned one otherwise)."""
     address = host_address(buf)
+    for what, pair in (("max_version", max_version), ("dl_device", dl_device)):
+        if pair is not None and not _int_pair(pair):
+            raise BufferUsageError(f"DLPack: {what} must be None or a pair of ints, got {pair!r}")
     if stream is not None and stream != -1:
         raise BufferUsageError(f"DLPack: a CPU buffer has no streams, got stream={stream!r}")
     if dl_device is not None and tuple(dl_device) != (CPU, 0):
@@ -194,11 +197,20 @@ def export(
     return _capsule_new(key, _VERSIONED if versioned else _NAME, ctypes.cast(_destructor, ctypes.c_void_p))
 
 
+def _int_pair(x: object) -> bool:
+    """Whether ``x`` is a tuple of two ints: a DLPack version or device."""
+    return isinstance(x, tuple) and len(x) == 2 and all(type(i) is int for i in x)
+
+
 def consume(obj: Any) -> tuple[object, int, int, DType]:
     """Take the DLPack tensor ``obj`` exports (for :func:`~aruntime.memory.buffer.from_dlpack`): its capsule
     (which keeps the memory alive), the address of its data, its element count and its dtype; an error unless
     it is a non-empty, C-contiguous host tensor of scalars."""
-    where = tuple(obj.__dlpack_device__())
+    where = obj.__dlpack_device__()
+    if not _int_pair(where):
+        raise BufferUsageError(
+            f"from_dlpack: {type(obj).__name__}.__dlpack_device__() gave {where!r}, not a pair of ints"
+        )
     if where[0] != CPU:
         raise BufferUsageError(f"from_dlpack: {type(obj).__name__} is not in host memory (DLPack device {where})")
     try:

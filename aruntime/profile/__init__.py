@@ -37,7 +37,7 @@ from aruntime.events import (
     now_us,
     recorder,
 )
-from aruntime.helpers import checkpoint, getenv
+from aruntime.helpers import check_seconds, checkpoint, getenv
 from aruntime.profile.trace import build_trace, load_trace, save_events, write_trace
 
 if TYPE_CHECKING:
@@ -193,7 +193,7 @@ class Profile:
 
     def __init__(self, sync: bool = True, timeout: float | None = None) -> None:
         self.sync = sync
-        self.timeout = timeout
+        self.timeout = None if timeout is None else check_seconds("profile timeout", timeout)
         self.events: list[Event] = []
         self._start = 0
         self._open = False
@@ -236,6 +236,8 @@ class Profile:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if not self._open:
+            raise RuntimeError("this profile region is not open (it was never entered, or it was left already)")
         device_events: list[DeviceEvent] = []
         try:
             if self.sync:

@@ -579,7 +579,7 @@ ROWS: list[Row] = [
         "sched.request",
         "`deadline=inf`",
         ValueError,
-        "deadline must be a positive, finite number of seconds, got inf",
+        "deadline must be a positive number of seconds, finite and below 1e9, got inf",
         lambda c: Scheduler().request(deadline=float("inf")),
     ),
     Row(
