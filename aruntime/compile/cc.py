@@ -23,6 +23,7 @@ from types import ModuleType
 
 from aruntime.compile.cache import cache_get, cache_put
 from aruntime.errors import CompileError
+from aruntime.helpers import getenv
 
 _VERSIONS_TABLE = "CPU_compiler_versions"
 
@@ -83,10 +84,15 @@ def build(src: str, flags: Sequence[str]) -> bytes:
         raise CompileError(f"the C source is not valid text: {exc}") from None
     with tempfile.TemporaryDirectory(prefix="aruntime-cc-") as tmp:
         out = os.path.join(tmp, "lib.so")
+        limit = getenv("COMPILE_TIMEOUT", 300.0, minimum=0.001)
         try:
-            proc = subprocess.run([cc, *flags, "-x", "c", "-", "-o", out, "-lm"], input=data, capture_output=True)
+            proc = subprocess.run(
+                [cc, *flags, "-x", "c", "-", "-o", out, "-lm"], input=data, capture_output=True, timeout=limit
+            )
         except FileNotFoundError:
             raise CompileError(f"C compiler {cc!r} not found; set CC to a C compiler") from None
+        except subprocess.TimeoutExpired:  # the compiler was killed
+            raise CompileError(f"{cc} did not finish within {limit:g} s (ARUNTIME_COMPILE_TIMEOUT)") from None
         if proc.returncode != 0:
             message = proc.stderr.decode(errors="replace").strip()
             raise CompileError(f"{cc} failed with exit code {proc.returncode}:\n{message}")

@@ -439,7 +439,9 @@ class BaseDevice(Closing, ProfileHooks):
     async def compile(self, src: str, name: str = "kernel", outs: Sequence[int] | None = None) -> Program:
         """Compile ``src`` off the event loop (through the compile cache) and load kernel ``name``.
 
-        ``outs`` lists the indices of the buffers the kernel writes (default: all).
+        ``outs`` lists the indices of the buffers the kernel writes (default: all). Cancelling the wait returns at
+        once; the compiler runs on to its end (at most ``ARUNTIME_COMPILE_TIMEOUT`` seconds, default 300, then
+        it is killed and the compile is a :class:`CompileError`), and what it built goes to the cache.
         """
         if not isinstance(src, str) or not isinstance(name, str):
             raise TypeError("compile: src and name must be str")
@@ -459,7 +461,7 @@ class BaseDevice(Closing, ProfileHooks):
         def build() -> Program:
             return compiler.compile_cached(src, load=lambda lib: self.program_type(self, name, lib, outs))
 
-        return await anyio.to_thread.run_sync(build)
+        return await anyio.to_thread.run_sync(build, abandon_on_cancel=True)
 
     def _kernel_source(self, src: str, name: str) -> str:
         """What is compiled for kernel ``name`` of ``src`` (checked to be non-empty text): ``src`` itself; a
