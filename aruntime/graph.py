@@ -484,9 +484,8 @@ class Graph:
             prog = entry.prog
             assert prog is not None
             args = tuple(handles[i] for i in step.slots)
-            what = f"{self!r} replay"
-            vals = [
-                check_scalar(f"{what}, input {v.name!r} of {entry.name}", i, inputs[v.name])
+            vals = [  # a Param's value checked, and the message made, only for a Param
+                check_scalar(f"{self!r} replay, input {v.name!r} of {entry.name}", i, inputs[v.name])
                 if isinstance(v, Param)
                 else v
                 for i, v in enumerate(entry.vals)

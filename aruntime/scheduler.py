@@ -366,8 +366,8 @@ class Scheduler:
         """Enqueue a copy of host ``data`` into ``buf`` (see :meth:`BaseDevice.copyin`); ``priority``: the
         scheduler's unless given (so for each op method)."""
         fast = submit.loaded()
-        if fast is not None and data is not None:  # (C reads None as a copy-out's)
-            made: Op | None = fast.sched_copy(self, buf, data, None, priority)
+        if fast is not None:
+            made: Op | None = fast.sched_copy(self, buf, data, False, priority)
             if made is not None:
                 return made  # the same, in C
         self._check_open()
@@ -380,7 +380,7 @@ class Scheduler:
         :meth:`BaseDevice.copyout`)."""
         fast = submit.loaded()
         if fast is not None:
-            made: Op | None = fast.sched_copy(self, buf, None, into, priority)
+            made: Op | None = fast.sched_copy(self, buf, into, True, priority)
             if made is not None:
                 return made  # the same, in C
         self._check_open()

@@ -377,8 +377,8 @@ class BaseDevice(Closing, ProfileHooks):
         :meth:`queue`).
         """
         fast = self._copy.fast
-        if fast is not None and data is not None:  # (C reads None as a copy-out's)
-            made: Op | None = fast.copy(self, buf, data, None, hold, window, priority)
+        if fast is not None:
+            made: Op | None = fast.copy(self, buf, data, False, hold, window, priority)
             if made is not None:
                 return made
         handle = self._check(buf, "copyin")
@@ -406,7 +406,7 @@ class BaseDevice(Closing, ProfileHooks):
         """
         fast = self._copy.fast
         if fast is not None:
-            made: Op | None = fast.copy(self, buf, None, into, hold, window, priority)
+            made: Op | None = fast.copy(self, buf, into, True, hold, window, priority)
             if made is not None:
                 return made
         handle = self._check(buf, "copyout")
@@ -511,9 +511,8 @@ class BaseDevice(Closing, ProfileHooks):
                 return made
         engine = self.queue("compute", priority)
         reads, writes = self._launch_access(prog, bufs, outs)
-        body = [
-            self._launch_command(prog, bufs, check_scalars(f"launch {prog.name}", vals), writes)
-        ]  # the op holds the buffers until it is done
+        plain = check_scalars(f"launch {prog.name}", vals)
+        body = [self._launch_command(prog, bufs, plain, writes)]  # the op holds the buffers until it is done
         return self._submit(engine, prog.name, body, reads, writes, bufs, None, hold, window)
 
     def _launch_command(

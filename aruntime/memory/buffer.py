@@ -325,13 +325,13 @@ class Buffer:
         if spec.external_ptr is not None:  # caller-owned memory: nothing to free, let go of what keeps it
             release: Callable[[], None] = partial(_let_go, self._keep)
             self._keep = None
-        elif pending or lent:  # what the handle came from, fixed now: the buffer may be allocated again meanwhile
+        else:  # what the handle came from, fixed now: the buffer may be allocated again before the release runs
             owner = self.owner
-            release = partial(_release, owner.allocator, handle, self._nbytes, spec, not owner.file_backed)
-        else:
-            owner = self.owner
-            _release(owner.allocator, handle, self._nbytes, spec, not owner.file_backed)
-            return pending
+            memory = (owner.allocator, handle, self._nbytes, spec, not owner.file_backed)
+            if not (pending or lent):
+                _release(*memory)
+                return pending
+            release = partial(_release, *memory)
         with _counter_lock:
             lent = self._loans > 0
             one_done = after_all(len(pending) + lent, release) if pending or lent else None

@@ -1846,11 +1846,12 @@ static PyObject *copy_name(int out_copy, Py_ssize_t nbytes) {
 static PyObject *copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   (void)self;
   if (nargs != 7) {
-    PyErr_SetString(PyExc_TypeError, "copy(dev, buf, data, into, hold, window, priority)");
+    PyErr_SetString(PyExc_TypeError, "copy(dev, buf, host, out, hold, window, priority)");
     return NULL;
   }
-  PyObject *dev = args[0], *buf = args[1], *data = args[2], *into = args[3], *window = args[5];
-  int out_copy = data == Py_None;
+  /* `host`: a copy-in's source, or a copy-out's destination (None: a new one); `out`: True for a copy-out */
+  PyObject *dev = args[0], *buf = args[1], *data = args[2], *into = args[2], *window = args[5];
+  int out_copy = args[3] == Py_True;
   if (args[4] != Py_False || !is_zero(args[6])) Py_RETURN_NONE;
   int ready = device_ready(dev);
   if (ready <= 0) return ready < 0 ? NULL : Py_NewRef(Py_None);
@@ -2007,11 +2008,11 @@ static PyObject *sched_launch(PyObject *self, PyObject *const *args, Py_ssize_t 
   return result;
 }
 
-/* sched_copy(sched, buf, data, into, priority): Scheduler.copyin's op (data given) or copyout's (data None), or
- * None for the Python path. */
+/* sched_copy(sched, buf, host, out, priority): Scheduler.copyin's op (`out` False, `host` its source) or copyout's
+ * (`out` True, `host` its destination or None), or None for the Python path. */
 static PyObject *sched_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   if (nargs != 5) {
-    PyErr_SetString(PyExc_TypeError, "sched_copy(sched, buf, data, into, priority)");
+    PyErr_SetString(PyExc_TypeError, "sched_copy(sched, buf, host, out, priority)");
     return NULL;
   }
   PyObject *priority, *result = NULL, *dev = NULL, *engine = NULL;

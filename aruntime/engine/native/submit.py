@@ -40,10 +40,11 @@ from aruntime.helpers import getenv
 FLAGS = ("-O2", "-fPIC", "-shared")
 Fast = Any
 """The built module: ``submit(engine, name, body, reads, writes, keep, result, window)``, ``launch(dev, prog, bufs,
-vals, outs, hold, window, priority)`` and ``copy(dev, buf, data, into, hold, window, priority)``, each returning the
+vals, outs, hold, window, priority)`` and ``copy(dev, buf, host, out, hold, window, priority)`` (``out`` True: a
+copy-out into ``host``, or into a new result where it is None; False: a copy-in from ``host``), each returning the
 op, ``enqueue(engine, cmds, op)`` and ``retire(engine)``, returning True; each None where the Python path must
 take it (see ``submit.c``); ``sched_launch(sched, prog, bufs, vals, outs, priority)`` and ``sched_copy(sched,
-buf, data, into, priority)``, a :class:`~aruntime.scheduler.Scheduler`'s op methods without the device's Python
+buf, host, out, priority)``, a :class:`~aruntime.scheduler.Scheduler`'s op methods without the device's Python
 method in between (None likewise); and ``retire_window(inflight, failed)``, the scheduler's retiring of its
 window."""
 
