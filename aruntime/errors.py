@@ -50,6 +50,13 @@ class DeviceLost(OpError, DeviceError):
     (its node failed or left the cluster, or a kernel crashed it)."""
 
 
+class FileTruncated(OpError, DeviceError):
+    """A copy into or out of a file-backed buffer (DISK) met bytes past the end of the buffer's file: the file was
+    truncated (or shrank) under the buffer's mapping, by another process or another open of it. An op that copies
+    fails with it; a blocking copy (:meth:`Buffer.copyin <aruntime.memory.buffer.Buffer.copyin>`, ``copyout``) raises
+    it. The device stays usable: its buffers still inside the file copy as before."""
+
+
 class OpSkipped(OpError):
     """An op did not run: the request (or scheduler) it was submitted in was cancelled before the op started
     (see :meth:`~aruntime.scheduler.Scheduler.request`)."""

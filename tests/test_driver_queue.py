@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from aruntime.backends._driver_queue import Span, ThreadedDriverEngine
-from aruntime.engine import EXEC, Command, CommandQueue, Op, TimelineSignal
-from aruntime.errors import DependencyError, OpError
+from aruntime.engine import EXEC, Command, CommandQueue, CopyFault, Op, TimelineSignal
+from aruntime.errors import DependencyError, DeviceError, FileTruncated, OpError
 from aruntime.events import recorder
 
 
@@ -117,6 +117,21 @@ def test_a_refused_command_fails_its_op_sets_its_signals_and_the_queue_goes_on(
     good.wait_done(5)
     assert isinstance(bad.error, OpError) and isinstance(bad.error.__cause__, ValueError)
     assert after.value == 1 and good.error is None
+
+
+def test_a_staged_copy_that_meets_a_truncated_file_fails_its_op_with_file_truncated(
+    engines: tuple[FakeEngine, FakeEngine],
+) -> None:
+    engine, _ = engines
+
+    def staged() -> None:  # what the staging ring raises where its guarded host copy faulted on the destination
+        raise CopyFault(2)
+
+    bad = engine.submit(CommandQueue().exec("transfer 8 B FAKE->DISK:/f", staged), Op("transfer 8 B FAKE->DISK:/f"))
+    good = engine.submit(CommandQueue().exec("good", lambda: None), Op("good"))
+    good.wait_done(5)
+    assert isinstance(bad.error, FileTruncated) and isinstance(bad.error, DeviceError) and good.error is None
+    assert str(bad.error).startswith("transfer 8 B FAKE->DISK:/f failed on FAKE compute queue: its destination")
 
 
 def test_a_failed_event_fails_its_op_and_its_readers(engines: tuple[FakeEngine, FakeEngine]) -> None:

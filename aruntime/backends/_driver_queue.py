@@ -25,7 +25,6 @@ the ring of pinned staging buffers for copies from and to pageable host memory.
 
 from __future__ import annotations
 
-import ctypes
 import queue as queues
 import threading
 import weakref
@@ -33,7 +32,19 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from aruntime.device import BaseDevice
-from aruntime.engine import SIGNAL, TIMESTAMP, WAIT, Command, Engine, Op, TimelineSignal, check_deps
+from aruntime.engine import (
+    SIGNAL,
+    TIMESTAMP,
+    WAIT,
+    Command,
+    CopyFault,
+    Engine,
+    Op,
+    TimelineSignal,
+    check_deps,
+    fault_error,
+    host_copy,
+)
 from aruntime.errors import DeviceError
 from aruntime.events import recorder
 
@@ -149,7 +160,10 @@ class DriverEngine(Engine):
             if wait_for:  # waits with no command after them: the op ends when they pass
                 last = self._marker(False, wait_for)
         except BaseException as exc:  # the op fails; the signals it was to set are set when its queue gets there
-            error = self._driver_error(exc)
+            if isinstance(exc, CopyFault):  # a staged copy met a file-backed page that is gone
+                error = fault_error(op.name, cmds[i][1], self.signal.name, exc.side)
+            else:
+                error = self._driver_error(exc)
             self._fail(op, error)
             steps.extend((SIGNAL, c[1], c[2], None) for c in cmds[i + 1 :] if c[0] == SIGNAL)
         self._submitted(op, steps, self._end(last), spans, error)
@@ -312,7 +326,9 @@ class StagingPool:
     again, the completion ``event`` recorded after its last DMA is waited for (and, for a copy out, its
     bytes are copied on to their destination), so ``count`` chunks are in flight. ``alloc(n)`` gives a
     pinned host address (and what keeps it alive), ``record()`` an event after the work enqueued so far,
-    ``wait(event)`` blocks until it has passed.
+    ``wait(event)`` blocks until it has passed. The host side of each chunk is copied with
+    :func:`~aruntime.engine.host_copy`: a page of a file-backed mapping that is gone raises
+    :class:`~aruntime.engine.CopyFault` (a copy out then delivers none of its chunks still in flight).
     """
 
     def __init__(
@@ -336,14 +352,14 @@ class StagingPool:
         self._settle(i)
         return i
 
-    def _settle(self, i: int) -> None:
+    def _settle(self, i: int, deliver: bool = True) -> None:
         pending = self._pending[i]
         if pending is not None:
             event, dest, nbytes = pending
             self.wait(event)
-            if dest:
-                ctypes.memmove(dest, self._slots[i][0], nbytes)
             self._pending[i] = None
+            if dest and deliver:
+                host_copy(dest, self._slots[i][0], nbytes)
 
     def copy_in(self, dst: int, src: int, nbytes: int, dma: Callable[[int, int, int], object]) -> None:
         """Copy ``nbytes`` from host address ``src`` to device address ``dst`` with ``dma(dst, pinned, n)``."""
@@ -351,16 +367,21 @@ class StagingPool:
             n = min(self.chunk, nbytes - off)
             i = self._take()
             pinned = self._slots[i][0]
-            ctypes.memmove(pinned, src + off, n)
+            host_copy(pinned, src + off, n)
             dma(dst + off, pinned, n)
             self._pending[i] = (self.record(), 0, n)
 
     def copy_out(self, dst: int, src: int, nbytes: int, dma: Callable[[int, int, int], object]) -> None:
         """Copy ``nbytes`` from device address ``src`` to host address ``dst``; returns once all are in ``dst``."""
-        for off in range(0, nbytes, self.chunk):
-            n = min(self.chunk, nbytes - off)
-            i = self._take()
-            dma(self._slots[i][0], src + off, n)
-            self._pending[i] = (self.record(), dst + off, n)
-        for k in range(len(self._slots)):  # the last chunks, oldest first
-            self._settle((self._next + k) % len(self._slots))
+        try:
+            for off in range(0, nbytes, self.chunk):
+                n = min(self.chunk, nbytes - off)
+                i = self._take()
+                dma(self._slots[i][0], src + off, n)
+                self._pending[i] = (self.record(), dst + off, n)
+            for k in range(len(self._slots)):  # the last chunks, oldest first
+                self._settle((self._next + k) % len(self._slots))
+        except CopyFault:  # its chunks still in flight are not delivered: the op fails, its memory may go
+            for k in range(len(self._slots)):
+                self._settle(k, deliver=False)
+            raise

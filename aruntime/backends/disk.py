@@ -11,6 +11,12 @@ bytes, just as two opens of the file would.
 A handle is the host address of the mapping, so :data:`ctypes.memmove` copies between DISK and
 any host-memory device (CPU) in both directions. The device is file-backed: it may be opened in
 any process, and its bytes are not counted in the allocator's ``in_use``. It runs no kernels.
+
+A file truncated (or shrunk) by another process under a live buffer takes the pages past its new end
+away. A copy aruntime makes into or out of them fails with :class:`~aruntime.errors.FileTruncated`
+instead of killing the process with SIGBUS: ops on the engines' guarded copies, blocking copies
+(``Buffer.copyin``, ``copyout``) on :func:`~aruntime.engine.host_copy`. Bytes read or written through a
+zero-copy view of the mapping (``as_buffer(allow_zero_copy=True)``) are not guarded.
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ from collections.abc import Sequence
 
 from aruntime.device import BaseDevice, Program
 from aruntime.dtype import DType
-from aruntime.errors import AllocationError, DeviceError
-from aruntime.memory import Allocator, Buffer, BufferSpec, HostAddressed, Mappings
+from aruntime.engine import CopyFault, host_copy
+from aruntime.errors import AllocationError, DeviceError, FileTruncated
+from aruntime.memory import Allocator, Buffer, BufferSpec, HostAddressed, Mappings, pin
 
 
 def _reserve(fd: int, size: int, length: int) -> None:
@@ -98,8 +105,27 @@ class DiskAllocator(HostAddressed, Allocator[int]):
         if not self._maps.release(handle):
             raise DeviceError(f"{self.device}: {handle:#x} is not a live mapping of {self.path!r}")
 
+    def _copyin(self, dest: int, src: memoryview) -> None:
+        _held, address, nbytes = pin(src)  # held while it copies
+        self._copy(dest, address, nbytes, "into")
+
+    def _copyout(self, dest: memoryview, src: int) -> None:
+        _held, address, nbytes = pin(dest, writable=True)
+        self._copy(address, src, nbytes, "out of")
+
+    def _copy(self, dst: int, src: int, nbytes: int, way: str) -> None:
+        """A blocking copy of ``nbytes`` ``way`` ("into", "out of") a mapping, guarded (see :func:`host_copy`)."""
+        try:
+            host_copy(dst, src, nbytes)
+        except CopyFault:
+            raise FileTruncated(
+                f"{self.device}: a copy of {nbytes} bytes {way} a buffer reaches past the end of {self.path!r}, "
+                "which was truncated (or shrank) under the buffer; the copy stopped there"
+            ) from None
+
     def _as_buffer(self, handle: int, size: int) -> memoryview:
-        """A zero-copy view of the file's bytes; it keeps the mapping alive while it exists."""
+        """A zero-copy view of the file's bytes; it keeps the mapping alive while it exists (and is not guarded:
+        an access past the end of a file truncated under it is a SIGBUS)."""
         view = self._maps.view(handle, size)
         if view is None:
             raise DeviceError(f"{self.device}: {size} bytes at {handle:#x} are not inside a live mapping")

@@ -12,6 +12,7 @@ hardware queues subclasses :class:`Engine` and maps the same commands onto them.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import sys
@@ -21,9 +22,19 @@ from array import array
 from collections.abc import Callable, Collection, Generator, Iterable, Sequence
 from typing import Any
 
+from aruntime.engine import native
+from aruntime.engine.kernel import _NATIVE_COPIES
 from aruntime.engine.metrics import summary
 from aruntime.engine.signal import TimelineSignal, wait_registered
-from aruntime.errors import DeadlineExceeded, DependencyError, DeviceError, OpError, OpSkipped, SignalTimeout
+from aruntime.errors import (
+    DeadlineExceeded,
+    DependencyError,
+    DeviceError,
+    FileTruncated,
+    OpError,
+    OpSkipped,
+    SignalTimeout,
+)
 from aruntime.events import RangeLog, op_ids, recorder
 from aruntime.helpers import checkpoint, getenv
 
@@ -703,8 +714,43 @@ def first_failure(failed: Sequence[Op], others: str) -> BaseException:
     return error
 
 
+class CopyFault(Exception):
+    """A :func:`host_copy` met a file-backed page that is gone (its file was truncated under the mapping): ``side``
+    1 in its source, 2 in its destination. The code that knows the op turns it into :func:`fault_error`."""
+
+    def __init__(self, side: int) -> None:
+        super().__init__(side)
+        self.side = side
+
+
+def host_copy(dst: int, src: int, nbytes: int) -> None:
+    """``memmove`` between host addresses, as the native core copies: guarded (:func:`native.copier
+    <aruntime.engine.native.copier>`), so a page of a file-backed mapping that is gone raises :class:`CopyFault`
+    instead of killing the process. Where there is no core (no C compiler) it is a plain ``memmove``."""
+    copy = native.copier()
+    if copy is None:
+        ctypes.memmove(dst, src, nbytes)
+    elif side := copy(dst, src, nbytes):
+        raise CopyFault(side)
+
+
+def fault_error(op: str, command: str | None, queue: str, side: int) -> FileTruncated:
+    """The error of ``op``, whose copy ``command`` (None: the op's own) on ``queue`` met a file-backed page that is
+    gone (``side``: see :class:`CopyFault`)."""
+    what = op if command is None or command in op else f"{op} ({command})"
+    end = {1: "source", 2: "destination"}.get(side, "memory")
+    return FileTruncated(
+        f"{what} failed on {queue}: its {end} reaches past the end of the file it maps, which was truncated (or "
+        "shrank) under the buffer; the copy stopped there (the destination may hold part of the bytes)"
+    )
+
+
 def run_copy(fn: CopyFn, dst: int, src: int, nbytes: int, step: int) -> None:
-    """Copy with ``fn(dst, src, n)`` in calls of at most ``step`` bytes (each returns to the caller's thread)."""
+    """Copy with ``fn(dst, src, n)`` in calls of at most ``step`` bytes (each returns to the caller's thread). A
+    function the native engines run as a ``memmove`` (:func:`~aruntime.engine.kernel.register_native`) runs as
+    :func:`host_copy`: a page of a file-backed mapping that is gone raises :class:`CopyFault`."""
+    if id(fn) in _NATIVE_COPIES:
+        fn = host_copy
     if nbytes <= step:
         fn(dst, src, nbytes)
     else:

@@ -9,7 +9,19 @@ from collections.abc import Sequence
 from time import monotonic_ns, perf_counter_ns, sleep
 
 from aruntime.engine.metrics import HIST, bucket
-from aruntime.engine.ops import EXEC, SIGNAL, WAIT, Command, Engine, Op, check_deps, gate_error, run_copy
+from aruntime.engine.ops import (
+    EXEC,
+    SIGNAL,
+    WAIT,
+    Command,
+    CopyFault,
+    Engine,
+    Op,
+    check_deps,
+    fault_error,
+    gate_error,
+    run_copy,
+)
 from aruntime.events import now_us, recorder
 
 YIELD_S = 50e-6
@@ -161,7 +173,10 @@ class ThreadEngine(Engine):
                 if kind == EXEC:
                     cmd[2](*cmd[3])
                 else:
-                    run_copy(cmd[2], cmd[3], cmd[4], cmd[5], self.chunk)
+                    try:
+                        run_copy(cmd[2], cmd[3], cmd[4], cmd[5], self.chunk)
+                    except CopyFault as fault:
+                        raise fault_error(op.name, cmd[1], self.signal.name, fault.side) from None
                 if recording:  # RangeLog.add, inlined: this runs once per command
                     ranges = self.ranges
                     ranges.ends.append(perf_counter_ns())

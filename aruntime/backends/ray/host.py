@@ -171,7 +171,8 @@ class HostActor:
     def _export(self, h: RemoteHandle, name: str) -> Step:
         view = self._view(h)
         box: list[Any] = []
-        body: list[Command] = [(EXEC, name, _export, (view.allocator, view.handle, view.nbytes, box))]
+        zero_copy = not self.dev.file_backed  # a file's bytes go through its guarded copy (see aruntime.backends.disk)
+        body: list[Command] = [(EXEC, name, _export, (view.allocator, view.handle, view.nbytes, box, zero_copy))]
         return self.dev._submit(self.dev.copy, name, body, (view,), (), (view, box)), lambda: box[0]
 
     def _import(self, h: RemoteHandle, name: str, source: str, kind: str, data: Any) -> Step:
@@ -181,10 +182,11 @@ class HostActor:
         return self.dev._submit(self.dev.copy, name, body, (), (view,), (view, src)), None
 
 
-def _export(allocator: Any, handle: Any, nbytes: int, box: list[Any]) -> None:
-    """(On the remote device's copy queue) the bytes of a buffer: inline if small, else put in the object store."""
+def _export(allocator: Any, handle: Any, nbytes: int, box: list[Any], zero_copy: bool) -> None:
+    """(On the remote device's copy queue) the bytes of a buffer: inline if small, else put in the object store
+    (straight from a zero-copy view of host memory where ``zero_copy`` allows it)."""
     as_buffer = getattr(allocator, "_as_buffer", None)
-    if nbytes > INLINE_MAX and as_buffer is not None:
+    if nbytes > INLINE_MAX and as_buffer is not None and zero_copy:
         box.append([ray.put(pickle.PickleBuffer(as_buffer(handle, nbytes)))])  # one copy, into the store
         return
     data = bytearray(nbytes)

@@ -11,6 +11,8 @@ cannot be built), ``python`` (the :class:`~aruntime.engine.thread.ThreadEngine` 
 Python), or unset: native where the core builds, else Python with a ``RuntimeWarning`` and the reason kept in
 :data:`unavailable`. Any other value is a ``ValueError``; a value changed after the choice is ignored, with a
 ``RuntimeWarning``.
+
+The core's guarded copy (:func:`copier`) serves the Python side's copies too, on either engine.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import warnings
+from collections.abc import Callable
 from ctypes import c_int, c_int64, c_size_t, c_uint32, c_uint64, c_void_p
 from importlib import resources
 
@@ -26,7 +29,7 @@ from aruntime.errors import CacheError, DeviceError
 from aruntime.helpers import getenv
 
 FLAGS = ("-O2", "-pthread", "-fPIC", "-shared")
-VERSION = 4
+VERSION = 5
 """The core's ABI version (``ar_version()``); a mismatch means a stale build."""
 
 unavailable: str | None = None
@@ -36,6 +39,8 @@ _decided = False
 _chosen_by: str | None = None  # the ARUNTIME_ENGINE value the engine was chosen with
 _warned_change = False
 _lock = threading.Lock()
+_copier: Callable[[int, int, int], int] | None = None
+_copier_decided = False
 
 
 def _given() -> str:
@@ -117,11 +122,12 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("ar_engine_yield_to", None, [p, p]),
         ("ar_now_ns", i64, []),
         ("ar_completion_new", p, [p, u64]),
+        ("ar_copy", c_int, [p, p, c_size_t]),
     )
     # the calls that cannot block keep the GIL: releasing it costs more than they take, and getting it back
     # can wait behind another thread for a whole switch interval
     keep_gil = ctypes.PyDLL(lib._name, handle=lib._handle)
-    blocking = {"ar_sig_wait", "ar_py_next", "ar_engine_join", "ar_engine_free"}
+    blocking = {"ar_sig_wait", "ar_py_next", "ar_engine_join", "ar_engine_free", "ar_copy"}
     for name, res, args in declared:
         fn = getattr(lib if name in blocking else keep_gil, name)
         fn.restype = res
@@ -172,6 +178,32 @@ def lib() -> ctypes.CDLL | None:
                 stacklevel=2,
             )
     return _lib
+
+
+def copier() -> Callable[[int, int, int], int] | None:
+    """The core's guarded copy, ``ar_copy(dst, src, nbytes)``, or None where there is no core.
+
+    A ``memmove`` that returns 0 once done, or 1 (2) where a page of its source (destination) faulted: a file-backed
+    page that is gone, its file truncated under the mapping, which would otherwise kill the process with SIGBUS
+    (``core.c``, "guarded copies"). The GIL is let go of while it copies. Where the Python engine runs by choice
+    (``ARUNTIME_ENGINE=python``) the core is built (or taken from the compile cache) for it at the first call; where
+    it could not be built (no C compiler) there is none, and copies are plain ``memmove`` calls.
+    """
+    global _copier, _copier_decided
+    if _copier_decided:
+        return _copier
+    core = lib()
+    with _lock:
+        if not _copier_decided:
+            if core is None and _chosen_by == "python":
+                try:
+                    core = _build()
+                    _declare(core)
+                except Exception:  # no compiler, a failed build or load: copies stay unguarded
+                    core = None
+            _copier = None if core is None else core.ar_copy
+            _copier_decided = True
+    return _copier
 
 
 def engine_name() -> str:
