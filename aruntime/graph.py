@@ -607,6 +607,8 @@ class GraphRun:
                 raise SignalTimeout(f"{op.name}: {exc}") from exc
         if self.settled_hook is not None:
             self.settled_hook()
+        for op in self.ops:  # an engine that logs failures natively sets a done op's error when it retires it
+            op.refresh()
         failed = [op for op in self.ops if op.error is not None]
         if failed:
             raise first_failure(failed, "of this replay failed")

@@ -223,6 +223,33 @@ async def test_failing_entry_fails_the_replay_without_stalling_other_queues() ->
     await dev.synchronize()
 
 
+STATUS = r"""
+#include <stdint.h>
+int kernel(int32_t *out) { out[0] = 1; return 7; }
+"""
+
+
+async def test_a_replay_awaited_after_its_failed_part_is_done_raises_the_failure() -> None:
+    """The part's engine has finished it but not yet learnt of its failure (the native core logs it; Python
+    reads the log when it retires the op): awaiting the replay then still raises it, never returns its results."""
+    dev = Device["CPU:2"]
+    prog = await dev.compile(STATUS, outs=(0,))
+    out = await dev.allocate(4, dtypes.int32)
+    graph = Graph()
+    graph.launch(prog, out, outs=(0,))
+    for _ in range(20):
+        run = graph.replay()
+        (part,) = run.ops
+        engine = part.engine
+        assert engine is not None
+        with anyio.fail_after(10):
+            while engine.signal.value < part.value:  # done, and not retired: no await in between
+                await anyio.sleep(0.001)
+        with pytest.raises(OpError, match="returned status 7"):
+            await run
+    await dev.free(out)
+
+
 async def test_a_failed_part_of_a_replay_fails_the_parts_that_consume_its_output() -> None:
     dev = Device["CPU:3"]
     prog = await dev.compile(SCALE, outs=(0,))

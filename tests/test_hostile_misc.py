@@ -206,10 +206,14 @@ DISK_TRUNCATED: dict[str, str] = {
             into = await outcome(disk.copyin(tail, bytes(64)))
             cpu = Device["CPU:180"]
             over = await cpu.allocate(64, dtypes.uint8, BufferSpec(external_ptr=tail.handle))
-            prog = await cpu.compile("void touch(unsigned char *b) { (void)b; }", "touch", outs=(0,))
-            cpu.launch(prog, over)
+            gate = await cpu.allocate(1, dtypes.int32)
+            await cpu.copyin(gate, bytes(4))
+            src = "void touch(unsigned char *b, volatile int *go) { (void)b; while (!*go) {} }"
+            prog = await cpu.compile(src, "touch", outs=(0,))
+            cpu.launch(prog, over, gate)  # runs until the gate opens
             behind = cpu.copyout(over)  # waits for the kernel: it runs on the compute queue
             inline = behind.engine is cpu.compute
+            ctypes.c_int32.from_address(gate.handle).value = 1
             after_kernel = await outcome(behind)
             after = bytes(await disk.copyout(await disk.allocate(64))) == CONTENTS[:64]
             report(path=path, out=out, into=into, inline=inline, after_kernel=after_kernel, replay=replay, after=after)
@@ -398,31 +402,16 @@ def test_leaving_a_profile_region_twice_is_refused_and_recording_stops() -> None
 
 
 @needs_numpy
-@pytest.mark.xfail(
-    strict=True,
-    reason="numpy.from_dlpack(bfloat16 buffer): the capsule destructor (ctypes callback) runs with numpy's error "
-    "pending and fails: SystemError instead of numpy's error, and the export's loan never ends (the buffer's "
-    "memory stays in use after free)",
-)
 def test_a_dlpack_export_refused_by_the_consumer_loses_nothing() -> None:
+    """numpy refuses a bfloat16 tensor and frees the capsule with its error pending: the capsule's destructor
+    (native) still ends the loan, and numpy's own error is the one raised."""
     proc = _child("dlpack-refused-by-consumer")
     assert "SystemError" not in proc.stdout, proc.stdout
+    assert "ERROR" in proc.stdout, proc.stdout  # numpy's refusal, not an export
     assert _result("dlpack-refused-by-consumer") == "RESULT 0"
 
 
 ENGINES = ("@native", "@python")
-OP_ENGINES = (
-    pytest.param(
-        "@native",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="the core logs a faulted copy as E_FAULT (7), which NativeEngine._set_error "
-            "(aruntime/engine/native/engine.py) does not turn into FileTruncated yet: a plain OpError",
-        ),
-    ),
-    "@python",
-)
-"""The engines of the cases whose ops fail: on the native engine they wait for engine.py to know E_FAULT."""
 
 
 def _guarded() -> None:
@@ -445,7 +434,7 @@ def _truncation(error: Any, path: str, end: str) -> None:
     assert f"its {end} reaches past the end" in message or f"{end} a buffer reaches past" in message, message
 
 
-@pytest.mark.parametrize("engine", OP_ENGINES)
+@pytest.mark.parametrize("engine", ENGINES)
 def test_a_disk_file_truncated_under_a_buffer_fails_its_copy_out_and_the_device_goes_on(engine: str) -> None:
     found = _found(f"disk-truncated-copyout{engine}")
     _truncation(found["error"], found["path"], "source")
@@ -455,7 +444,7 @@ def test_a_disk_file_truncated_under_a_buffer_fails_its_copy_out_and_the_device_
     _truncation(found["blocking"], found["path"], "out of")
 
 
-@pytest.mark.parametrize("engine", OP_ENGINES)
+@pytest.mark.parametrize("engine", ENGINES)
 def test_a_copy_in_past_the_end_of_a_truncated_disk_file_fails(engine: str) -> None:
     found = _found(f"disk-truncated-copyin{engine}")
     _truncation(found["error"], found["path"], "destination")
@@ -463,7 +452,7 @@ def test_a_copy_in_past_the_end_of_a_truncated_disk_file_fails(engine: str) -> N
     _truncation(found["blocking"], found["path"], "into")
 
 
-@pytest.mark.parametrize("engine", OP_ENGINES)
+@pytest.mark.parametrize("engine", ENGINES)
 def test_transfers_out_of_and_into_a_truncated_disk_file_fail_and_lose_nothing(engine: str) -> None:
     found = _found(f"disk-truncated-transfers{engine}")
     _truncation(found["out"], found["path"], "source")
@@ -472,7 +461,7 @@ def test_transfers_out_of_and_into_a_truncated_disk_file_fail_and_lose_nothing(e
     assert found["leaked"] == 0
 
 
-@pytest.mark.parametrize("engine", OP_ENGINES)
+@pytest.mark.parametrize("engine", ENGINES)
 def test_small_copies_past_the_end_of_a_truncated_disk_file_fail(engine: str) -> None:
     found = _found(f"disk-truncated-small{engine}")
     _truncation(found["out"], found["path"], "source")
@@ -484,7 +473,7 @@ def test_small_copies_past_the_end_of_a_truncated_disk_file_fail(engine: str) ->
     assert found["after"] is True
 
 
-@pytest.mark.parametrize("engine", OP_ENGINES)
+@pytest.mark.parametrize("engine", ENGINES)
 def test_a_zero_copy_read_past_the_end_of_a_truncated_disk_file_still_faults(engine: str) -> None:
     _guarded()
     proc = _child(f"disk-truncated-zero-copy{engine}")
@@ -862,7 +851,11 @@ async def test_concurrent_closes_and_synchronizes_settle_once(kind: str) -> None
         tg.start_soon(run, "close in a thread", lambda: anyio.to_thread.run_sync(dev.close))
     assert op.done() and dev.state == "closed"
     assert outcomes.pop("sync") == "ok"
-    assert sorted(outcomes.values()) == ["ok", "refused", "refused"]  # one close ran; the others were refused
+    closes = sorted(outcomes.values())
+    if kind == "CPU":  # the kernel runs 50 ms: the three closes overlap; one ran, the others were refused
+        assert closes == ["ok", "refused", "refused"]
+    else:  # a NULL launch is done at once: a close may begin after another has closed the device (then it is ok)
+        assert "ok" in closes and set(closes) <= {"ok", "refused"}, closes
     await dev.aclose()  # closing a closed device does nothing
     await dev.synchronize()
     assert set(dev.metrics()) >= {"compute", "copy"}

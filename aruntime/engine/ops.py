@@ -187,7 +187,8 @@ class Op:
     takes that value when it next looks at the op (:meth:`_resolve`).
 
     What an engine uses: ``cmds`` (the commands to run, until done), ``deps``
-    (ops it is ordered after), ``inputs`` (ops whose output it consumes; see
+    (ops it is ordered after; a native engine drops them once it has the op's
+    waits in its ring), ``inputs`` (ops whose output it consumes; see
     :func:`check_deps`), ``value`` (the engine signal
     value that marks it done), ``engine``, ``error`` (set when it fails), and
     ``gate`` (see :func:`skip_error`).

@@ -109,6 +109,21 @@ def _capsule_gone(capsule: int) -> None:
 
 _deleter = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_delete)
 _destructor = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_capsule_gone)
+_destructor_address: int = ctypes.cast(_destructor, ctypes.c_void_p).value or 0
+"""The destructor of the capsules :func:`export` makes: the ctypes one above until
+:func:`use_capsule_destructor` gives a native one."""
+
+
+def use_capsule_destructor(make: Callable[[Callable[[int | None], None]], int]) -> None:
+    """Destroy the capsules exported from now on with the native function at ``make(delete)``, which calls
+    ``delete`` with the address of an unconsumed capsule's tensor (the C submission path's, see
+    :mod:`aruntime.engine.native.submit`, which the first native engine builds). Unlike the ctypes destructor,
+    it runs where a consumer that refused the capsule has its own error pending: the ctypes one then fails
+    (a ``SystemError`` in place of the consumer's error) and the buffer's loan never ends."""
+    global _destructor_address
+    _destructor_address = make(_delete)
+
+
 # a consumer may call the deleter during the interpreter's final collection, after this module is torn down:
 # the C callbacks and the table they use must outlive it
 for _immortal in (_deleter, _destructor, _exported, _exported_lock, _delete):
@@ -194,7 +209,7 @@ def export(
     key = ctypes.addressof(managed)
     with _exported_lock:
         _exported[key] = (managed, shape, buf._lend())
-    return _capsule_new(key, _VERSIONED if versioned else _NAME, ctypes.cast(_destructor, ctypes.c_void_p))
+    return _capsule_new(key, _VERSIONED if versioned else _NAME, _destructor_address)
 
 
 def _int_pair(x: object) -> bool:

@@ -45,6 +45,7 @@ from aruntime.engine.ops import (
     Op,
     Prepared,
     check_deps,
+    fault_error,
     run_copy,
     skip_error,
 )
@@ -54,7 +55,7 @@ from aruntime.helpers import bytes_address
 
 K_WAIT, K_SIGNAL, K_TIMESTAMP, K_COPY, K_EXEC, K_NOP, K_CHECK, K_PY, K_STOP = range(9)
 F_END, F_RECORD = 1, 2
-E_KERNEL, E_TIMEOUT, E_PYTHON, E_ORDER, E_SKIPPED, E_DEADLINE = 1, 2, 3, 4, 5, 6
+E_KERNEL, E_TIMEOUT, E_PYTHON, E_ORDER, E_SKIPPED, E_DEADLINE, E_FAULT = 1, 2, 3, 4, 5, 6, 7
 CHECK_BIT = 1 << 31
 TAG = 1 << 63
 """In a dependency check's (engine, value) pair: the value is read from the cell at this address."""
@@ -164,14 +165,24 @@ def _check_record(pairs: bytes, op_id: int, index: int, gate: int) -> bytes:
     return _RECORD.pack(K_CHECK, 0, bytes_address(pairs), len(pairs) // 16, 0, gate, 0, op_id, 0, index | CHECK_BIT)
 
 
-def _as_run(cmd: Command, kind: int) -> Command:
-    """What an op keeps of a kernel or copy command the core runs by itself (``kind``): the command with its
-    function replaced by the entry's address (a kernel: its packed arguments stay) or None (a copy). Its parts
-    are then numbers, strings and ``bytes``, as a kernel's arguments usually are, so that the garbage collector
-    stops tracking the op's commands (a list and a tuple per op in flight otherwise)."""
+def _as_kept(cmd: Command, kind: int) -> Command:
+    """What an op keeps of a command the core runs by itself (``kind``), for the error it may fail with: a wait
+    as ``(WAIT, its signal's name, value, timeout)``, a kernel or copy with its function replaced by the entry's
+    address (a kernel: its packed arguments stay) or None (a copy). Its parts are then numbers, strings and
+    ``bytes``, as a kernel's arguments usually are, so that the garbage collector stops tracking the op's commands
+    (a list and a tuple per command of each op in flight otherwise)."""
+    if kind == K_WAIT:
+        return (WAIT, cmd[1].name, cmd[2], cmd[1].timeout)
     if kind == K_EXEC:
         return (EXEC, cmd[1], cmd[2].address, cmd[3])
     return (COPY, cmd[1], None, cmd[3], cmd[4], cmd[5])
+
+
+def _waited(cmd: Command) -> tuple[str, int, float]:
+    """The signal's name, the value and the timeout of a WAIT command, as given or as an op keeps it."""
+    if len(cmd) == 4:
+        return cmd[1], cmd[2], cmd[3]
+    return cmd[1].name, cmd[2], cmd[1].timeout
 
 
 class _Packed(Prepared):
@@ -410,6 +421,7 @@ class NativeEngine(Engine):
             self._python.pop(op.id, None)
             raise MemoryError(f"{op.name}: no memory for the commands of {self.signal.name}")
         op._value = value
+        op.deps = ()  # its waits are in the ring: nothing asks for them any more (as in C)
         self._inflight_keep.append(keep)  # before the op: a retire that finds the op finds what it keeps
         inflight.append(op)
 
@@ -498,7 +510,7 @@ class NativeEngine(Engine):
                 pairs = None if checked else self._check_pairs(op)
                 run = _work_record(cmd, kind, F_END | record, op_id, 0, gate if pairs is None else 0)
                 if op.cmds is cmds and kind in (K_EXEC, K_COPY):
-                    op.cmds = (_as_run(cmd, kind),)
+                    op.cmds = (_as_kept(cmd, kind),)
                 if pairs is None:
                     return run, 1, None
                 self._python_runs(op)  # the cells the pairs name are kept alive by the inputs' ops
@@ -508,6 +520,7 @@ class NativeEngine(Engine):
         last = len(cmds) - 1
         records: list[bytes] = []
         add = records.append
+        kept: list[Command] | None = [] if op.cmds is cmds and last >= 0 else None  # see _as_kept
         if last < 0:
             add(pack(K_NOP, F_END, 0, 0, 0, 0, 0, op_id, 0, 0))
         for i, cmd in enumerate(cmds):
@@ -515,16 +528,20 @@ class NativeEngine(Engine):
             flags = F_END if i == last else 0
             if kind == WAIT:
                 add(_wait_record(cmd, flags, i, op_id))
+                if kept is not None:
+                    kept.append(_as_kept(cmd, K_WAIT))
                 checked = not op.inputs
                 continue
             if kind == SIGNAL:
                 add(_signal_record(cmd, flags, i, op_id))
+                kept = None
                 continue
             if kind == TIMESTAMP:
                 slot = array("q", [0])
                 keep = keep or []
                 keep.append((cmd[1], slot))
                 add(pack(K_TIMESTAMP, flags, slot.buffer_info()[0], 0, 0, 0, 0, op_id, 0, i))
+                kept = None
                 continue
             if kind not in (EXEC, COPY):
                 raise ValueError(f"{op.name}: unknown command kind {kind!r}")
@@ -540,8 +557,15 @@ class NativeEngine(Engine):
             work = _work_kind(cmd)
             if work == K_PY:
                 self._python_runs(op)
+            if kept is not None:
+                if work in (K_EXEC, K_COPY) and i == last:
+                    kept.append(_as_kept(cmd, work))
+                else:
+                    kept = None
             add(_work_record(cmd, work, flags | record, op_id, i, gate))
             gate = 0
+        if kept is not None:
+            op.cmds = tuple(kept)
         packed = records[0] if len(records) == 1 else b"".join(records)
         return packed, len(records), None if keep is None else tuple(keep)
 
@@ -728,13 +752,14 @@ class NativeEngine(Engine):
             status -= 1 << 64 if status >= 1 << 63 else 0
             error = KernelError(f"{op.name} failed on {self.signal.name}: the kernel returned status {status}", status)
         elif kind == E_TIMEOUT and cmd is not None:
-            sig = cmd[1]
+            name, value, timeout = _waited(cmd)
             error = SignalTimeout(
-                f"{sig.name}: wait for value >= {cmd[2]} did not pass within {sig.timeout:g} s"
-                f" (signal value is {status})"
+                f"{name}: wait for value >= {value} did not pass within {timeout:g} s (signal value is {status})"
             )
         elif kind in (E_SKIPPED, E_DEADLINE):
             error = skip_error(op, kind == E_DEADLINE)
+        elif kind == E_FAULT:  # a guarded copy met a file-backed page that is gone (status: 1 source, 2 destination)
+            error = fault_error(op.name, None if cmd is None else cmd[1], self.signal.name, status)
         elif kind == E_ORDER and cmd is not None:
             error = ValueError(f"{cmd[1].name}: timeline must increase (asked to set {cmd[2]})")
         else:

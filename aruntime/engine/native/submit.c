@@ -951,15 +951,29 @@ static int build_records(PyObject *engine, PyObject *op, PyObject *cmds, uint64_
     rec->flags |= F_RECORD;
     rec->name = name_number;
   }
-  if (n == 1 && (rec->kind == K_EXEC || rec->kind == K_COPY)) {
-    PyObject *cmd = PyList_GET_ITEM(cmds, 0);
+  if (rec->kind == K_EXEC || rec->kind == K_COPY) { /* as NativeEngine._pack keeps them: see _as_kept */
+    PyObject *cmd = PyList_GET_ITEM(cmds, n - 1);
     PyObject *name = Py_NewRef(PyTuple_GET_ITEM(cmd, 1));
-    *kept = untracked(tuple_of(1, untracked(rec->kind == K_EXEC
-                            ? tuple_of(4, PyLong_FromLong(C_EXEC), name, PyLong_FromUnsignedLongLong(rec->a),
-                                       untracked_ref(PyTuple_GET_ITEM(cmd, 3)))
-                            : tuple_of(6, PyLong_FromLong(C_COPY), name, Py_NewRef(Py_None),
-                                       PyLong_FromUnsignedLongLong(rec->a), PyLong_FromUnsignedLongLong(rec->b),
-                                       PyLong_FromUnsignedLongLong(rec->c)))));
+    PyObject *t = PyTuple_New(n);
+    for (Py_ssize_t i = 0; t && i < n - 1; i++) {
+      PyObject *wait = PyList_GET_ITEM(cmds, i), *sig = PyTuple_GET_ITEM(wait, 1);
+      PyObject *sig_name = ATTR(sig, s_name), *timeout = sig_name ? ATTR(sig, s_timeout) : NULL;
+      PyObject *item = untracked(
+          tuple_of(4, Py_NewRef(g_wait_kind), sig_name, Py_NewRef(PyTuple_GET_ITEM(wait, 2)), timeout));
+      if (!item) Py_CLEAR(t);
+      else PyTuple_SET_ITEM(t, i, item);
+    }
+    PyObject *item = !t ? NULL
+                     : rec->kind == K_EXEC
+                         ? tuple_of(4, PyLong_FromLong(C_EXEC), name, PyLong_FromUnsignedLongLong(rec->a),
+                                    untracked_ref(PyTuple_GET_ITEM(cmd, 3)))
+                         : tuple_of(6, PyLong_FromLong(C_COPY), name, Py_NewRef(Py_None),
+                                    PyLong_FromUnsignedLongLong(rec->a), PyLong_FromUnsignedLongLong(rec->b),
+                                    PyLong_FromUnsignedLongLong(rec->c));
+    if (!t) Py_DECREF(name);
+    if (item) PyTuple_SET_ITEM(t, n - 1, untracked(item));
+    else Py_CLEAR(t);
+    *kept = untracked(t);
   } else {
     *kept = Py_NewRef(cmds);
   }
@@ -1014,11 +1028,10 @@ static PyObject *retire_window(PyObject *self, PyObject *const *args, Py_ssize_t
 
 /* NativeEngine._enqueue for `op`, bound for native `engine` with `cmds`, under the engine's lock: its records
  * (build_records) appended through ar_submit, the op's value set and the op kept in flight; finished ops retired
- * in batches first. Sets op.engine, op.cmds and, where `deps` is given, op.deps; `flows` (a list, or NULL): the
- * ops a profile records it waited for, recorded before its records can run. 1, 0 before any side effect
+ * in batches first. Sets op.engine and op.cmds (an op handed on keeps no deps: its waits are in the ring); `flows`
+ * (a list, or NULL): the ops a profile records it waited for, recorded before its records can run. 1, 0 before any side effect
  * (Python's), -1 on error. */
-static int append_records(PyObject *engine, PyObject *op, PyObject *cmds, PyObject *deps, uint64_t gate,
-                          PyObject *flows) {
+static int append_records(PyObject *engine, PyObject *op, PyObject *cmds, uint64_t gate, PyObject *flows) {
   ar_cmd recs[MAX_RECORDS];
   int nrec;
   PyObject *keep, *kept;
@@ -1040,7 +1053,6 @@ static int append_records(PyObject *engine, PyObject *op, PyObject *cmds, PyObje
   }
   set_slot(op, S_ENGINE, engine);
   set_slot(op, S_CMDS, kept);
-  if (deps && PyList_GET_SIZE(deps)) set_slot(op, S_DEPS, deps);
   if (flows) record_deps(op, flows); /* before it can run, as Python records them */
   uint64_t value = g_submit(st->core, recs, (uint32_t)nrec);
   if (!value) {
@@ -1244,7 +1256,7 @@ static int pend_held(PyObject *engine, PyObject *op, PyObject *body, PyObject *d
   if (!nconds) {
     if (engine_take(engine, 0)) return -1;
     int rc = engine_closed(engine);
-    if (rc == 0) rc = append_records(engine, op, body, deps, gate, NULL);
+    if (rc == 0) rc = append_records(engine, op, body, gate, NULL);
     else if (rc == 1) rc = 0;
     return engine_give(engine, 0, rc);
   }
@@ -1284,7 +1296,7 @@ static int push(PyObject *engine, PyObject *op, PyObject *body, PyObject *deps, 
       waits[j].value = value;
     }
   }
-  if (!nwaits) return append_records(engine, op, body, deps, gate, NULL); /* its commands are `body`, as in Python */
+  if (!nwaits) return append_records(engine, op, body, gate, NULL); /* its commands are `body`, as in Python */
   PyObject *cmds = PyList_New(0);
   int rc = cmds ? 0 : -1;
   for (int i = 0; i < nwaits && !rc; i++) {
@@ -1306,7 +1318,7 @@ static int push(PyObject *engine, PyObject *op, PyObject *body, PyObject *deps, 
     while (j < nwaits && waits[j].engine != SLOT(dep, S_ENGINE)) j++;
     if (j < nwaits && PyList_Append(waited, dep)) rc = -1;
   }
-  if (!rc) rc = append_records(engine, op, cmds, deps, gate, waited);
+  if (!rc) rc = append_records(engine, op, cmds, gate, waited);
   Py_XDECREF(waited);
   Py_XDECREF(cmds);
   return rc;
@@ -1332,7 +1344,7 @@ static PyObject *enqueue(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     gate = (uint64_t)(uintptr_t)view.buf;
     PyBuffer_Release(&view);
   }
-  int rc = append_records(engine, op, cmds, NULL, gate, NULL);
+  int rc = append_records(engine, op, cmds, gate, NULL);
   if (rc < 0) return NULL;
   return Py_NewRef(rc ? Py_True : Py_None);
 }
@@ -2265,6 +2277,39 @@ static PyObject *put_copies(PyObject *self, PyObject *const *args, Py_ssize_t na
   return rc < 0 ? NULL : PyLong_FromSsize_t(i);
 }
 
+/* ---- DLPack ------------------------------------------------------------------------------------------ */
+
+static PyObject *g_capsule_delete; /* aruntime.memory.dlpack's end of an exported tensor, given its address */
+
+/* The destructor of an exported DLPack capsule: one that no consumer took (a consumer renames it) ends its
+ * tensor's loan. A consumer that refused the capsule frees it with its own error pending, which no Python code may
+ * run under: the error is set aside around the call and put back. */
+static void capsule_gone(PyObject *capsule) {
+  static const char *const names[] = {"dltensor", "dltensor_versioned"};
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
+  for (int i = 0; i < 2 && g_capsule_delete; i++) {
+    if (!PyCapsule_IsValid(capsule, names[i])) continue; /* never fails */
+    PyObject *address = PyLong_FromVoidPtr(PyCapsule_GetPointer(capsule, names[i]));
+    PyObject *r = address ? PyObject_CallOneArg(g_capsule_delete, address) : NULL;
+    if (!r) PyErr_WriteUnraisable(g_capsule_delete);
+    Py_XDECREF(r);
+    Py_XDECREF(address);
+  }
+  PyErr_Restore(type, value, traceback);
+}
+
+/* capsule_destructor(delete): the address of capsule_gone, which calls `delete(address of the managed tensor)`. */
+static PyObject *capsule_destructor(PyObject *self, PyObject *delete) {
+  (void)self;
+  if (!PyCallable_Check(delete)) {
+    PyErr_Format(PyExc_TypeError, "capsule_destructor: a callable expected, got %R", delete);
+    return NULL;
+  }
+  Py_XSETREF(g_capsule_delete, Py_NewRef(delete));
+  return PyLong_FromVoidPtr((void *)capsule_gone);
+}
+
 static PyMethodDef methods[] = {
     {"put_copies", (PyCFunction)(void (*)(void))put_copies, METH_FASTCALL,
      "put_copies(body, holes, start, inputs, keep, results): a graph replay's host copies put, up to the index returned"},
@@ -2280,11 +2325,13 @@ static PyMethodDef methods[] = {
     {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL,
      "launch(dev, prog, bufs, vals, outs, hold, window, priority): the op, or None for the Python path"},
     {"copy", (PyCFunction)(void (*)(void))copy, METH_FASTCALL,
-     "copy(dev, buf, data, into, hold, window, priority): a copy-in (data) or copy-out's op, or None"},
+     "copy(dev, buf, host, out, hold, window, priority): a copy-in's or (out) copy-out's op, or None"},
     {"sched_launch", (PyCFunction)(void (*)(void))sched_launch, METH_FASTCALL,
      "sched_launch(sched, prog, bufs, vals, outs, priority): Scheduler.launch's op, or None for the Python path"},
     {"sched_copy", (PyCFunction)(void (*)(void))sched_copy, METH_FASTCALL,
-     "sched_copy(sched, buf, data, into, priority): Scheduler.copyin's (data) or copyout's op, or None"},
+     "sched_copy(sched, buf, host, out, priority): Scheduler.copyin's or (out) copyout's op, or None"},
+    {"capsule_destructor", capsule_destructor, METH_O,
+     "capsule_destructor(delete): the address of a DLPack capsule destructor that calls delete(tensor address)"},
     {"state", state, METH_VARARGS,
      "state(signal address, core engine address, failures address, lock, retire lock, in-flight deque, its keep "
      "deque, python ops dict, failures dict): a native engine's `_fast_state`"},

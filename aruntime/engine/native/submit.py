@@ -45,8 +45,9 @@ copy-out into ``host``, or into a new result where it is None; False: a copy-in 
 op, ``enqueue(engine, cmds, op)`` and ``retire(engine)``, returning True; each None where the Python path must
 take it (see ``submit.c``); ``sched_launch(sched, prog, bufs, vals, outs, priority)`` and ``sched_copy(sched,
 buf, host, out, priority)``, a :class:`~aruntime.scheduler.Scheduler`'s op methods without the device's Python
-method in between (None likewise); and ``retire_window(inflight, failed)``, the scheduler's retiring of its
-window."""
+method in between (None likewise); ``retire_window(inflight, failed)``, the scheduler's retiring of its
+window; and ``capsule_destructor(delete)``, the DLPack capsules' destructor (see
+:func:`aruntime.memory.dlpack.use_capsule_destructor`)."""
 
 unavailable: str | None = None
 """Why the C submission path could not be built (None once it was, or before it was first asked for)."""
@@ -81,7 +82,7 @@ def _build(lib: ctypes.CDLL, native_type: type, new_cells: Callable[[], Sized], 
     from aruntime.engine.kernel import _NATIVE_COPIES, _NOTHING, Entry
     from aruntime.engine.ops import ABANDONED, HELD, WAIT, Op, _later_lock
     from aruntime.events import op_ids, recorder
-    from aruntime.memory import Buffer, typed, zeroed
+    from aruntime.memory import Buffer, dlpack, typed, zeroed
 
     src = resources.files(__package__).joinpath("submit.c").read_text()
     name = f"{__package__}._submit"
@@ -93,6 +94,7 @@ def _build(lib: ctypes.CDLL, native_type: type, new_cells: Callable[[], Sized], 
         WAIT, Buffer, recorder, dispatch_when_ready, zeroed, typed, new_cells, name_id,
         _record_deps, _later_lock,
     )  # fmt: skip
+    dlpack.use_capsule_destructor(module.capsule_destructor)
     return module
 
 
