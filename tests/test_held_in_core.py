@@ -155,6 +155,76 @@ async def test_awaiting_the_end_of_a_held_chain_wakes_the_loop_a_few_times(monke
         assert list(await devs[0].copyout(a)) == [i + 200 for i in range(n)]
 
 
+async def test_a_task_awaiting_a_held_op_is_resumed_by_the_notifier_itself() -> None:
+    """A task awaits a copy-out held in the core behind a gated kernel. The core tells the loop's notifier when the
+    op is handed on and when it is done; the notifier resumes the task as it drains, without a call through the
+    loop's thread-safe entry point (a write to the loop's wake-up descriptor and one more turn)."""
+    from aruntime.engine import NativeEngine
+    from aruntime.engine.native.signal import _loop_waker
+
+    dev = Device["CPU:3"]
+    if not isinstance(dev.compute, NativeEngine):
+        pytest.skip("the Python engine's threads wake the loop through its thread-safe entry point")
+    n = COPY_QUEUE_INTS  # the copy-out goes on the copy queue: held for the kernel on the compute queue
+    inc = await dev.compile(INC, outs=(0,))
+    gate, flag = await closed_gate(dev)
+    started = await dev.allocate(1, dtypes.int32)
+    waker = _loop_waker()
+    assert waker is not None
+    entered: list[object] = []
+    enter = waker._call_soon
+    async with dev.buffer(n, dtypes.int32) as buf, Scheduler() as sched:
+        await dev.copyin(buf, array.array("i", [5] * n))
+        for i in range(3):
+            ctypes.c_int32.from_address(flag.handle).value = 0  # closed again
+            sched.launch(gate, started, vals=(flag.handle, SPINS))
+            sched.launch(inc, buf, vals=(n,))
+            out = sched.copyout(buf)
+            assert not out.dispatched
+            waker._call_soon = lambda fn: (entered.append(fn), enter(fn))  # type: ignore[method-assign]
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(_open_soon, flag)
+                    assert list(await out) == [6 + i] * n
+            finally:
+                waker._call_soon = enter  # type: ignore[method-assign]
+    await dev.free(started)
+    assert entered == []
+
+
+async def test_settling_a_held_op_the_core_has_finished_is_still_a_checkpoint() -> None:
+    """A copy-out held in the core, handed on and run while nothing on the loop looked at it: ``settled()`` finds
+    its callback called back at once, and is still a checkpoint (a cancelled scope cancels it)."""
+    from aruntime.engine import NativeEngine
+
+    dev = Device["CPU:3"]
+    if not isinstance(dev.compute, NativeEngine):
+        pytest.skip("the Python engine keeps no ops pending in a core")
+    n = COPY_QUEUE_INTS
+    inc = await dev.compile(INC, outs=(0,))
+    gate, flag = await closed_gate(dev)
+    started = await dev.allocate(1, dtypes.int32)
+    async with dev.buffer(n, dtypes.int32) as buf, Scheduler() as sched:
+        await dev.copyin(buf, array.array("i", [5] * n))
+        sched.launch(gate, started, vals=(flag.handle, SPINS))
+        sched.launch(inc, buf, vals=(n,))
+        out = sched.copyout(buf)
+        assert out.cell is not None  # pending in the core, behind the gate
+        _open(flag)
+        with anyio.fail_after(20):  # the core hands it on and its queue runs it: nothing tells the loop
+            while not (out.cell[out.at] and out.engine.signal.value >= out.cell[out.at]):  # noqa: ASYNC110
+                await anyio.sleep(0.001)
+        with anyio.move_on_after(0) as scope:
+            await out.settled()
+        assert scope.cancelled_caught
+        assert list(await out) == [6] * n
+    await dev.free(started)
+
+
+async def _open_soon(flag: Buffer) -> None:
+    _open(flag)  # run once the task that started this one is suspended on its held op
+
+
 async def test_ops_pending_in_the_core_are_retired_in_batches() -> None:
     """Every kernel of a scheduled pipeline waits for its copy-in on the other queue, so its compute queue gets
     all of its ops through the core and none straight: those that are done are still retired in batches, as a

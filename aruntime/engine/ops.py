@@ -402,6 +402,8 @@ class Op:
 
     def __await__(self) -> Generator[Any, None, Any]:
         signal = self._submitted().signal
+        if self._value == HELD and self.cell is not None:
+            self._resolve()  # handed to its queue by the core already: wait for its value, as for any op
         if signal.value < self._value:
             if self._value == HELD:
                 yield from self.settled().__await__()

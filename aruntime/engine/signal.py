@@ -205,6 +205,9 @@ async def wait_registered(
     waker = asyncio_waker(loop)
     callback = partial(waker.post, waiter)
     register(callback)
+    if fut.done():  # called back at once, on this thread: still a checkpoint
+        await checkpoint()
+        return
     waker.track(waiter)
     woken = False
     try:

@@ -6,6 +6,7 @@ code writes its file descriptor and the loop resumes the waiting tasks itself. W
 for callbacks that must wake a task from any thread), a thread calls :meth:`Waker.post` with the
 :class:`Waiter` of a waiting task: the first post after a drain schedules one call on the loop through its
 thread-safe entry point, later posts only append to the pending batch, and the drain wakes every task in it.
+A post on the loop's own thread (a callback its notifier runs as it drains) resumes the waiter at once.
 
 Each waker also times out its waiters: their deadlines are kept in one heap,
 with one timer armed for the earliest, so a wait costs a heap push rather than
@@ -152,12 +153,21 @@ class AsyncioWaker(Waker):
     It holds its loop only weakly, so a finished loop and its waker are freed.
     """
 
-    __slots__ = ("_loop", "_timer")
+    __slots__ = ("_loop", "_thread", "_timer")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = weakref.ref(loop)
         super().__init__(self._call_soon_threadsafe)
         self._timer: asyncio.TimerHandle | None = None
+        self._thread = threading.get_ident()  # made on its loop's thread (see asyncio_waker)
+
+    def post(self, waiter: Waiter) -> None:
+        """See :meth:`Waker.post`; on the loop's own thread (a callback run by its notifier's drain) the waiter's
+        future is resolved at once, with no trip through the loop's thread-safe entry point."""
+        if threading.get_ident() == self._thread:
+            self._resume_waiter(waiter)
+        else:
+            super().post(waiter)
 
     def _call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
         loop = self._loop()
@@ -208,11 +218,28 @@ class AsyncioWaker(Waker):
 class TrioWaker(Waker):
     """Reschedules suspended trio tasks; one system task sleeps until the earliest deadline."""
 
-    __slots__ = ("_watch",)
+    __slots__ = ("_thread", "_watch")
 
     def __init__(self, run_sync_soon: Callable[[Callable[[], None]], object]) -> None:
         super().__init__(run_sync_soon)
         self._watch: Any = None  # the cancel scope the watchdog task sleeps in
+        self._thread = threading.get_ident()  # made in its run (see trio_waker)
+
+    def post(self, waiter: Waiter) -> None:
+        """See :meth:`Waker.post`; on the run's own thread, by another task than the waiter's (the notifier's, as
+        it drains), the waiter's task is rescheduled at once, with no trip through the run's thread-safe entry
+        point. A task posting its own waiter (a callback run as it registers it) has not suspended yet: queued."""
+        if threading.get_ident() == self._thread:
+            import trio
+
+            try:
+                running = trio.lowlevel.current_task()
+            except RuntimeError:  # not in a task: the waiter's is suspended (or gone)
+                running = None
+            if running is not waiter.task:
+                self._resume_waiter(waiter)
+                return
+        super().post(waiter)
 
     def _resume(self, task: Any, error: BaseException | None) -> None:
         import outcome
