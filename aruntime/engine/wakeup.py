@@ -153,18 +153,17 @@ class AsyncioWaker(Waker):
     It holds its loop only weakly, so a finished loop and its waker are freed.
     """
 
-    __slots__ = ("_loop", "_thread", "_timer")
+    __slots__ = ("_loop", "_timer")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = weakref.ref(loop)
         super().__init__(self._call_soon_threadsafe)
         self._timer: asyncio.TimerHandle | None = None
-        self._thread = threading.get_ident()  # made on its loop's thread (see asyncio_waker)
 
     def post(self, waiter: Waiter) -> None:
-        """See :meth:`Waker.post`; on the loop's own thread (a callback run by its notifier's drain) the waiter's
-        future is resolved at once, with no trip through the loop's thread-safe entry point."""
-        if threading.get_ident() == self._thread:
+        """See :meth:`Waker.post`; on the thread running the loop (a callback run by its notifier's drain) the
+        waiter's future is resolved at once, with no trip through the loop's thread-safe entry point."""
+        if asyncio._get_running_loop() is self._loop():
             self._resume_waiter(waiter)
         else:
             super().post(waiter)
