@@ -163,7 +163,8 @@ class AsyncioWaker(Waker):
     def post(self, waiter: Waiter) -> None:
         """See :meth:`Waker.post`; on the thread running the loop (a callback run by its notifier's drain) the
         waiter's future is resolved at once, with no trip through the loop's thread-safe entry point."""
-        if asyncio._get_running_loop() is self._loop():
+        loop = self._loop()
+        if loop is not None and asyncio._get_running_loop() is loop:
             self._resume_waiter(waiter)
         else:
             super().post(waiter)
@@ -217,20 +218,24 @@ class AsyncioWaker(Waker):
 class TrioWaker(Waker):
     """Reschedules suspended trio tasks; one system task sleeps until the earliest deadline."""
 
-    __slots__ = ("_thread", "_watch")
+    __slots__ = ("_token", "_watch")
 
-    def __init__(self, run_sync_soon: Callable[[Callable[[], None]], object]) -> None:
-        super().__init__(run_sync_soon)
+    def __init__(self, token: Any) -> None:
+        super().__init__(token.run_sync_soon)
+        self._token = token  # its run's (see trio_waker)
         self._watch: Any = None  # the cancel scope the watchdog task sleeps in
-        self._thread = threading.get_ident()  # made in its run (see trio_waker)
 
     def post(self, waiter: Waiter) -> None:
-        """See :meth:`Waker.post`; on the run's own thread, by another task than the waiter's (the notifier's, as
-        it drains), the waiter's task is rescheduled at once, with no trip through the run's thread-safe entry
-        point. A task posting its own waiter (a callback run as it registers it) has not suspended yet: queued."""
-        if threading.get_ident() == self._thread:
-            import trio
+        """See :meth:`Waker.post`; inside its own run, by another task than the waiter's (the notifier's, as it
+        drains), the waiter's task is rescheduled at once, with no trip through the run's thread-safe entry point.
+        A task posting its own waiter (a callback run as it registers it) has not suspended yet: queued."""
+        import trio
 
+        try:
+            here = trio.lowlevel.current_trio_token() is self._token
+        except RuntimeError:  # outside any trio run
+            here = False
+        if here:
             try:
                 running = trio.lowlevel.current_task()
             except RuntimeError:  # not in a task: the waiter's is suspended (or gone)
@@ -313,6 +318,6 @@ def trio_waker() -> TrioWaker:
         _trio_waker = trio.lowlevel.RunVar("aruntime_waker")
     waker: TrioWaker | None = _trio_waker.get(None)
     if waker is None:
-        waker = TrioWaker(trio.lowlevel.current_trio_token().run_sync_soon)
+        waker = TrioWaker(trio.lowlevel.current_trio_token())
         _trio_waker.set(waker)
     return waker
