@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import threading
 import time
 from array import array
 from collections import deque
@@ -102,7 +101,7 @@ class Scheduler:
         self._waiting: deque[tuple[Sequence[Op], Callable[[], None]]] = deque()  # queued: ops and what hands them on
         self._queued = 0  # ops in _waiting
         self._watching = False  # whether the oldest op in flight will call _pump when it is done
-        self._lock = threading.Lock()  # engine threads retire and admit too
+        self._lock = submit.new_lock()  # engine threads retire and admit too
         self._failed: list[Op] = []
         self._open = False
         self._own_gate = new_gate()  # the gate of ops submitted outside any request

@@ -15,6 +15,7 @@ import random
 import subprocess
 import sys
 import textwrap
+import threading
 from typing import Any
 
 import anyio
@@ -183,6 +184,97 @@ async def test_a_schedulers_ops_are_submitted_in_c_and_what_it_refuses_takes_the
             assert called == ["launch", "copyout"]
         with pytest.raises(RuntimeError, match="not open"):
             sched.copyin(buf, bytes(big))
+
+
+def _module_lock() -> Any:
+    """A lock of the C module (which the first CPU device's engines build); skips where it cannot be built."""
+    dev = Device["CPU"]
+    _fast(dev)
+    lock = submit.new_lock()
+    assert type(lock).__name__ == "Lock" and type(lock).__module__ == "aruntime.engine.native.submit"
+    return lock
+
+
+def test_the_modules_lock_is_a_lock() -> None:
+    """Taken, held, let go of, as threading.Lock is; letting go of a lock nobody holds is an error that says so."""
+    lock = _module_lock()
+    assert lock.acquire() is True and lock.locked()
+    lock.release()
+    assert not lock.locked()
+    with lock:
+        assert lock.locked()
+    assert not lock.locked()
+    with pytest.raises(RuntimeError, match="release unlocked lock"):
+        lock.release()
+    with pytest.raises(TypeError, match="no arguments"):
+        type(lock)(1)
+
+
+def test_a_busy_lock_is_waited_for_with_the_gil_let_go() -> None:
+    """A thread that takes a lock another thread holds waits without the GIL: the holder runs Python on and lets
+    go, then the waiter has it. Run in a child interpreter, so that a wait that kept the GIL (which would never see
+    the holder let go) fails the test by its time limit instead of hanging the suite."""
+    _module_lock()  # skips where the module cannot be built
+    script = textwrap.dedent(
+        """
+        import threading, time
+        import anyio
+        from aruntime import Device
+        from aruntime.engine.native import submit
+
+        async def main():
+            Device["CPU"].compute  # its engines build the module
+        anyio.run(main)
+        lock = submit.new_lock()
+        assert type(lock).__module__ == "aruntime.engine.native.submit"
+        holding, waiting, order = threading.Event(), threading.Event(), []
+
+        def holder():
+            with lock:
+                holding.set()
+                waiting.wait(10)
+                time.sleep(0.05)  # Python, which needs the GIL, while the waiter waits
+                order.append("holder lets go")
+
+        def waiter():
+            waiting.set()
+            with lock:
+                order.append("waiter has it")
+
+        first = threading.Thread(target=holder)
+        first.start()
+        holding.wait(10)
+        second = threading.Thread(target=waiter)
+        second.start()
+        first.join()
+        second.join()
+        print(order)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['holder lets go', 'waiter has it']"
+
+
+async def test_engines_and_schedulers_take_the_modules_lock_and_any_other_lock_works_too() -> None:
+    """Engines and schedulers opened with the C path take its lock without a call; one given a threading.Lock
+    instead is taken through its methods, with the same results."""
+    dev = Device["CPU:5"]
+    _fast(dev)
+    lock_type = type(submit.new_lock())
+    assert all(type(e._lock) is lock_type and type(e._retire_lock) is lock_type for e in dev.engines)
+    add = await dev.compile(ADD_ONE, outs=(0,))
+    big = dev.inline_copy_max + 4  # on the copy queue: the kernel waits for another queue
+    for plain in (False, True):
+        async with dev.buffer(big) as buf, Scheduler() as sched:
+            assert type(sched._lock) is lock_type
+            if plain:
+                sched._lock = threading.Lock()
+            for _ in range(50):
+                sched.copyin(buf, bytes(big))
+                sched.launch(add, buf, vals=(big,))
+                assert bytes(await sched.copyout(buf)) == b"\x01" * big
+            assert not sched._lock.locked() and not any(e._lock.locked() for e in dev.engines)
 
 
 async def test_the_c_path_lets_go_of_what_its_ops_hold() -> None:

@@ -20,6 +20,7 @@ import threading
 import time
 from array import array
 from collections.abc import Callable, Collection, Generator, Iterable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 from aruntime.engine import native
@@ -492,7 +493,7 @@ class Engine:
         self.failed: list[Op] = []
         self.closed = False
         self.crashed: DeviceError | None = None
-        self._lock = threading.Lock()  # submissions
+        self._lock: AbstractContextManager[bool] = threading.Lock()  # submissions
         self._failed_lock = threading.Lock()
         self._mark = (time.monotonic_ns(), 0)  # (when, busy ns) at the last metrics() call
 

@@ -356,7 +356,8 @@ class NativeEngine(Engine):
         self._cell_at = CELLS  # the next free one in it (CELLS: none left)
         self._pended_at = -1  # the signal value _pended was last looked through at (-1: changed since)
         self._thread: threading.Thread | None = None
-        self._retire_lock = threading.Lock()
+        self._lock = submit.new_lock()  # submissions
+        self._retire_lock = submit.new_lock()
         self._joined = False
         self._high: NativeEngine | None = None  # the engine this one lets go first: kept alive as long as this one
         self.signal.retire = self.retire

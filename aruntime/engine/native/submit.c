@@ -248,17 +248,16 @@ typedef struct {
   uint64_t *signal;            /* its signal's value */
   void *core;                  /* the core's engine */
   uint64_t *failures;          /* the count of failures the core logged */
-  PyObject *acquire, *release; /* its submission lock's methods */
-  PyObject *retire_acquire, *retire_release; /* its retire lock's */
+  PyObject *lock, *retire_lock; /* its submission and retire locks */
   PyObject *inflight, *append, *popleft;     /* its `_inflight` deque of ops, and two of its methods */
   PyObject *keeps, *keep_append, *keep_popleft; /* its `_inflight_keep` deque: what their records keep alive */
   PyObject *python;            /* its `_python` dict */
   PyObject *failed;            /* its `_failed` dict */
 } engine_state;
 
-#define STATE_OBJECTS 12 /* the objects it holds, from `acquire` on */
+#define STATE_OBJECTS 10 /* the objects it holds, from `acquire` on */
 
-static PyObject **state_objects(engine_state *st) { return &st->acquire; }
+static PyObject **state_objects(engine_state *st) { return &st->lock; }
 
 static void state_dealloc(PyObject *self) {
   engine_state *st = (engine_state *)self;
@@ -299,19 +298,134 @@ static int call_keeping_error(PyObject *fn, int rc) {
   return rc;
 }
 
-/* Take native `engine`'s submission lock (`retire`: its retire lock), a threading.Lock that waits with the GIL
- * released: 0, or -1. */
-static int engine_take(PyObject *engine, int retire) {
-  engine_state *st = state_of(engine);
-  PyObject *r = st ? PyObject_CallNoArgs(retire ? st->retire_acquire : st->acquire) : NULL;
+/* ---- locks: a threading.Lock whose acquire and release C reaches without a call ------------------------ */
+
+typedef struct {
+  PyObject_HEAD
+  PyThread_type_lock lock;
+  char locked;
+} lock_object;
+
+static PyTypeObject lock_type;
+
+/* Take `lock` (a Lock of this module or any object with acquire()): 0, or -1. One that is busy is waited for
+ * with the GIL released, as threading.Lock does. */
+static int lock_take(PyObject *lock) {
+  if (Py_IS_TYPE(lock, &lock_type)) {
+    lock_object *l = (lock_object *)lock;
+    if (!PyThread_acquire_lock(l->lock, NOWAIT_LOCK)) {
+      Py_BEGIN_ALLOW_THREADS
+      PyThread_acquire_lock(l->lock, WAIT_LOCK);
+      Py_END_ALLOW_THREADS
+    }
+    l->locked = 1;
+    return 0;
+  }
+  PyObject *r = PyObject_CallMethodNoArgs(lock, s_acquire);
   Py_XDECREF(r);
   return r ? 0 : -1;
+}
+
+/* Let go of `lock`, taken by lock_take, keeping an error already set: `rc`, or -1 if it could not be let go. */
+static int lock_give(PyObject *lock, int rc) {
+  if (Py_IS_TYPE(lock, &lock_type)) {
+    lock_object *l = (lock_object *)lock;
+    l->locked = 0;
+    PyThread_release_lock(l->lock);
+    return rc;
+  }
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
+  PyObject *r = PyObject_CallMethodNoArgs(lock, s_release);
+  if (!r) {
+    rc = -1;
+    if (type) PyErr_Clear(); /* the first error is the one to raise */
+  }
+  Py_XDECREF(r);
+  if (type) PyErr_Restore(type, value, traceback);
+  return rc;
+}
+
+static PyObject *lock_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+  if (PyTuple_GET_SIZE(args) || (kwargs && PyDict_GET_SIZE(kwargs))) {
+    PyErr_SetString(PyExc_TypeError, "Lock() takes no arguments");
+    return NULL;
+  }
+  lock_object *l = (lock_object *)type->tp_alloc(type, 0);
+  if (!l) return NULL;
+  l->lock = PyThread_allocate_lock();
+  if (!l->lock) {
+    Py_DECREF(l);
+    return PyErr_NoMemory();
+  }
+  return (PyObject *)l;
+}
+
+static void lock_dealloc(PyObject *self) {
+  lock_object *l = (lock_object *)self;
+  if (l->lock) {
+    if (l->locked) PyThread_release_lock(l->lock);
+    PyThread_free_lock(l->lock);
+  }
+  Py_TYPE(self)->tp_free(self);
+}
+
+static PyObject *lock_acquire(PyObject *self, PyObject *unused) {
+  (void)unused;
+  return lock_take(self) ? NULL : Py_NewRef(Py_True);
+}
+
+static PyObject *lock_release(PyObject *self, PyObject *unused) {
+  (void)unused;
+  if (!((lock_object *)self)->locked) {
+    PyErr_SetString(PyExc_RuntimeError, "release unlocked lock");
+    return NULL;
+  }
+  lock_give(self, 0);
+  Py_RETURN_NONE;
+}
+
+static PyObject *lock_exit(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  (void)args;
+  (void)nargs;
+  return lock_release(self, NULL);
+}
+
+static PyObject *lock_locked(PyObject *self, PyObject *unused) {
+  (void)unused;
+  return PyBool_FromLong(((lock_object *)self)->locked);
+}
+
+static PyMethodDef lock_methods[] = {
+    {"acquire", lock_acquire, METH_NOARGS, "acquire(): take the lock, waiting (the GIL released) while it is held; True"},
+    {"release", lock_release, METH_NOARGS, "release(): let go of the lock (a RuntimeError if it is not held)"},
+    {"locked", lock_locked, METH_NOARGS, "locked(): whether the lock is held"},
+    {"__enter__", lock_acquire, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)(void (*)(void))lock_exit, METH_FASTCALL, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject lock_type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "aruntime.engine.native.submit.Lock",
+    .tp_basicsize = sizeof(lock_object),
+    .tp_dealloc = lock_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A lock like threading.Lock (acquire() blocks, no timeout), which this module takes and lets go of "
+              "without a call.",
+    .tp_methods = lock_methods,
+    .tp_new = lock_new,
+};
+
+/* Take native `engine`'s submission lock (`retire`: its retire lock): 0, or -1. */
+static int engine_take(PyObject *engine, int retire) {
+  engine_state *st = state_of(engine);
+  return st ? lock_take(retire ? st->retire_lock : st->lock) : -1;
 }
 
 /* Let go of the lock engine_take took, keeping an error already set: `rc`, or -1 if it could not be let go. */
 static int engine_give(PyObject *engine, int retire, int rc) {
   engine_state *st = state_of(engine); /* found by engine_take */
-  return call_keeping_error(retire ? st->retire_release : st->release, rc);
+  return lock_give(retire ? st->retire_lock : st->lock, rc);
 }
 
 /* ---- ops --------------------------------------------------------------------------------------------- */
@@ -1389,15 +1503,11 @@ static int window_admit(PyObject *window, PyObject *op) {
   PyObject *lock = optional(ATTR(window, s_lock)), *r;
   if (!lock && PyErr_Occurred()) return -1;
   int rc = 0;
-  if (lock) { /* a threading.Lock: it waits with the GIL released; what lets it go is had before it is taken */
-    PyObject *release = PyObject_GetAttr(lock, s_release);
-    r = release ? PyObject_CallMethodNoArgs(lock, s_acquire) : NULL; /* no bound method made */
-    if (!r) {
-      Py_XDECREF(release);
+  if (lock) { /* a lock that waits with the GIL released */
+    if (lock_take(lock)) {
       Py_DECREF(lock);
       return -1;
     }
-    Py_DECREF(r);
     PyObject *waiting = optional(ATTR(window, s_waiting));
     PyObject *inflight = waiting ? optional(ATTR(window, s_inflight)) : NULL;
     PyObject *limit = inflight ? optional(ATTR(window, s_window)) : NULL;
@@ -1416,8 +1526,7 @@ static int window_admit(PyObject *window, PyObject *op) {
     Py_XDECREF(waiting);
     Py_XDECREF(inflight);
     Py_XDECREF(limit);
-    rc = call_keeping_error(release, rc);
-    Py_DECREF(release);
+    rc = lock_give(lock, rc);
     Py_DECREF(lock);
     if (rc) return rc;
   }
@@ -2063,11 +2172,9 @@ static PyObject *state(PyObject *self, PyObject *args) {
   st->failed = Py_NewRef(failed);
   st->inflight = Py_NewRef(inflight);
   st->keeps = Py_NewRef(keeps);
-  st->acquire = PyObject_GetAttr(lock, s_acquire);
-  st->release = st->acquire ? PyObject_GetAttr(lock, s_release) : NULL;
-  st->retire_acquire = st->release ? PyObject_GetAttr(retire_lock, s_acquire) : NULL;
-  st->retire_release = st->retire_acquire ? PyObject_GetAttr(retire_lock, s_release) : NULL;
-  st->append = st->retire_release ? PyObject_GetAttr(inflight, s_append) : NULL;
+  st->lock = Py_NewRef(lock);
+  st->retire_lock = Py_NewRef(retire_lock);
+  st->append = PyObject_GetAttr(inflight, s_append);
   st->popleft = st->append ? PyObject_GetAttr(inflight, s_popleft) : NULL;
   st->keep_append = st->popleft ? PyObject_GetAttr(keeps, s_append) : NULL;
   st->keep_popleft = st->keep_append ? PyObject_GetAttr(keeps, s_popleft) : NULL;
@@ -2372,6 +2479,8 @@ PyMODINIT_FUNC PyInit__submit(void) {
     *names[i].where = PyUnicode_InternFromString(names[i].text);
     if (!*names[i].where) return NULL;
   }
-  if (PyType_Ready(&state_type) < 0) return NULL;
-  return PyModule_Create(&module);
+  if (PyType_Ready(&state_type) < 0 || PyType_Ready(&lock_type) < 0) return NULL;
+  PyObject *m = PyModule_Create(&module);
+  if (m && PyModule_AddObjectRef(m, "Lock", (PyObject *)&lock_type) < 0) Py_CLEAR(m);
+  return m;
 }

@@ -17,6 +17,10 @@ argument to check and refuse, a view not yet bound, a program without a plan) re
 effect and takes the Python path, which stays the reference; so does every op where the extension cannot be
 built.
 
+The locks it takes (a native engine's submission and retire locks, a scheduler's) are its own ``Lock`` (see
+:func:`new_lock`): one it takes and lets go of without a method call, which Python code holds with ``with`` as a
+:class:`threading.Lock`; a busy one is waited for with the GIL let go, without a timeout.
+
 It is built at first use with the system C compiler against the running interpreter's headers (``Python.h``;
 on Debian and Ubuntu the ``python3-dev`` package), through the compile cache like the core, under a key that
 names the interpreter's version and ABI. Where it cannot be built or loaded (no headers, no compiler) the Python
@@ -31,6 +35,7 @@ import sys
 import sysconfig
 import threading
 from collections.abc import Callable, Sized
+from contextlib import AbstractContextManager
 from importlib import resources
 from typing import Any
 
@@ -48,6 +53,7 @@ buf, host, out, priority)``, a :class:`~aruntime.scheduler.Scheduler`'s op metho
 method in between (None likewise); ``retire_window(inflight, failed)``, the scheduler's retiring of its
 window; and ``capsule_destructor(delete)``, the DLPack capsules' destructor (see
 :func:`aruntime.memory.dlpack.use_capsule_destructor`)."""
+
 
 unavailable: str | None = None
 """Why the C submission path could not be built (None once it was, or before it was first asked for)."""
@@ -96,6 +102,13 @@ def _build(lib: ctypes.CDLL, native_type: type, new_cells: Callable[[], Sized], 
     )  # fmt: skip
     dlpack.use_capsule_destructor(module.capsule_destructor)
     return module
+
+
+def new_lock() -> AbstractContextManager[bool]:
+    """A lock for what the C submission path takes: its ``Lock`` once the module is built (taken and let go of
+    in C without a call; in Python, ``with`` it as with :class:`threading.Lock`), else a
+    :class:`threading.Lock`."""
+    return threading.Lock() if _module is None else _module.Lock()
 
 
 def loaded() -> Fast:
