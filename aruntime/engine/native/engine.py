@@ -97,9 +97,10 @@ CELLS = 512
 """The cells (words where the core writes the value of an op pending in it) allocated together, in one array."""
 
 
-def new_cells() -> array[int]:
-    """A new array of :data:`CELLS` cells, zeroed (see :meth:`NativeEngine.pend`)."""
-    return array("Q", bytes(8 * CELLS))
+def new_cells() -> memoryview:
+    """:data:`CELLS` new cells, zeroed (see :meth:`NativeEngine.pend`): 64-bit words in memory that stays where it
+    is while the core may write it (a view, which cannot be resized, of bytes nothing else holds)."""
+    return memoryview(bytearray(8 * CELLS)).cast("Q")
 
 
 _log = logging.getLogger("aruntime")
@@ -237,7 +238,7 @@ def _cell_address(op: Op) -> int:
     assert cell is not None
     if not (type(at) is int and 0 <= at < len(cell)):  # the core writes there
         raise ValueError(f"{op!r}: its cell is out of range")
-    return int(cell.buffer_info()[0]) + 8 * at
+    return ctypes.addressof(ctypes.c_uint64.from_buffer(cell, 8 * at))  # checked: a writable buffer, long enough
 
 
 def _u64s(address: int, count: int) -> memoryview:
@@ -352,7 +353,7 @@ class NativeEngine(Engine):
         self._python: dict[int, Op] = {}  # op id -> op, for ops with commands the Python thread runs
         self._pended: list[Op] = []  # ops pending in the core, not yet retired
         self._pended_keep: list[Sequence[Any] | None] = []  # what each keeps alive (no tuple per op: see pend)
-        self._cells = array("Q")  # the array the cells of new pending ops are taken from, CELLS at a time
+        self._cells = memoryview(bytearray())  # the cells new pending ops are taken from, CELLS at a time
         self._cell_at = CELLS  # the next free one in it (CELLS: none left)
         self._pended_at = -1  # the signal value _pended was last looked through at (-1: changed since)
         self._thread: threading.Thread | None = None

@@ -902,12 +902,32 @@ static PyObject *retire(PyObject *self, PyObject *engine) {
 
 /* The address of the word the core writes a pending op's value into: its cell array's memory, at its index. */
 static uint64_t *cell_address(PyObject *op) {
-  Py_buffer view;
-  if (PyObject_GetBuffer(SLOT(op, S_CELL), &view, PyBUF_SIMPLE)) return NULL;
-  uint64_t *words = view.buf; /* the array is never resized: its words stay where they are */
-  Py_ssize_t len = view.len / 8, index = PyLong_AsSsize_t(SLOT(op, S_AT));
-  PyBuffer_Release(&view);
-  if (index < 0 || index >= len) {
+  /* views of the last arrays of cells looked at, held: ops share arrays of CELLS cells, so a few arrays (the
+   * engines' newest) serve most ops; an array whose view is held cannot be resized (its words stay where they are,
+   * as the core, which writes them, needs) */
+  enum { KEPT = 4 };
+  static Py_buffer kept[KEPT];
+  static unsigned next;
+  PyObject *c = SLOT(op, S_CELL);
+  Py_ssize_t index = PyLong_AsSsize_t(SLOT(op, S_AT));
+  uint64_t *words = NULL;
+  Py_ssize_t len = 0;
+  for (int i = 0; i < KEPT && !words; i++)
+    if (kept[i].obj == c) {
+      words = kept[i].buf;
+      len = kept[i].len / 8;
+    }
+  if (!words) {
+    Py_buffer fresh, old;
+    if (PyObject_GetBuffer(c, &fresh, PyBUF_SIMPLE)) return NULL;
+    words = fresh.buf;
+    len = fresh.len / 8;
+    Py_buffer *at = &kept[next++ % KEPT];
+    old = *at;
+    *at = fresh;
+    if (old.obj) PyBuffer_Release(&old); /* last: what letting go of it runs finds the new view in place */
+  }
+  if (index < 0 || index >= len || !words) {
     if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "%R: its cell is out of range", op);
     return NULL;
   }
