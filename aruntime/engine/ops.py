@@ -226,7 +226,7 @@ class Op:
         self.cmds: Sequence[Command] | None = None  # held from submission until the op has run
         self._value = 0
         self.later: Later | None = None  # held: (on_dispatch, callback, where); () until something waits
-        self.cell: memoryview | None = None  # pending in the native core: the cells where it writes the op's value,
+        self.cell: array[int] | None = None  # pending in the native core: the array where it writes the op's value,
         self.at = 0  # at this index (ops share an array: no tracked object per op)
         self._pend = 0  # pending in the native core: its record there
         self.gate: array[int] | None = None  # submitted in a request: see skip_error

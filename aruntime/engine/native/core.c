@@ -118,6 +118,7 @@ static void unpark(ar_sig *s, uint64_t v);
 
 static ar_sig *all_sigs;
 static pthread_mutex_t sigs_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t pend_lock = PTHREAD_MUTEX_INITIALIZER; /* pending ops: see below */
 
 int ar_version(void) { return AR_VERSION; }
 
@@ -224,6 +225,16 @@ void ar_notifier_ack(int n) {
 
 /* ---- signals -------------------------------------------------------------------------------------- */
 
+/* s's lock, and its condition on the monotonic clock (as its waits time out) */
+static void sig_sync_init(ar_sig *s) {
+  pthread_mutex_init(&s->lock, NULL);
+  pthread_condattr_t attr;
+  pthread_condattr_init(&attr);
+  pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+  pthread_cond_init(&s->cond, &attr);
+  pthread_condattr_destroy(&attr);
+}
+
 ar_sig *ar_sig_new(uint64_t value) {
   ar_sig *s = NULL;
   if (posix_memalign((void **)&s, 64, sizeof(ar_sig)) != 0) return NULL;
@@ -232,12 +243,7 @@ ar_sig *ar_sig_new(uint64_t value) {
   atomic_store(&s->armed, NEVER);
   atomic_store(&s->watch_min, NEVER);
   for (int i = 0; i < MAXN; i++) s->arm[i] = NEVER;
-  pthread_mutex_init(&s->lock, NULL);
-  pthread_condattr_t attr;
-  pthread_condattr_init(&attr);
-  pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
-  pthread_cond_init(&s->cond, &attr);
-  pthread_condattr_destroy(&attr);
+  sig_sync_init(s);
   pthread_mutex_lock(&sigs_lock);
   s->next = all_sigs;
   if (all_sigs) all_sigs->prev = s;
@@ -1131,8 +1137,14 @@ static void after_fork(void);
 static void register_after_fork(void) { pthread_atfork(NULL, NULL, after_fork); }
 
 /* In a child forked from a process whose engines run: it has none of their workers (only the forking thread
- * lives on), so the next shared engine starts its own, and no worker of its own polls yet. */
+ * lives on), so the next shared engine starts its own, and no worker of its own polls yet. A lock one of them held
+ * when the process forked would stay held in the child for good: the locks the child's own loops, signals and
+ * pending ops take are made anew. */
 static void after_fork(void) {
+  pthread_mutex_init(&notifiers_lock, NULL);
+  pthread_mutex_init(&sigs_lock, NULL);
+  for (ar_sig *s = all_sigs; s; s = s->next) sig_sync_init(s);
+  pthread_mutex_init(&pend_lock, NULL);
   pthread_mutex_init(&pool.lock, NULL);
   pool.head = pool.tail = pool.parked = NULL;
   atomic_store(&pool.ready, 0);
@@ -1309,7 +1321,6 @@ struct pend {
   pend *next_batch; /* on the list of ops handed on to one queue at once */
 };
 
-static pthread_mutex_t pend_lock = PTHREAD_MUTEX_INITIALIZER;
 static pend *free_pends;
 
 static int on_sig(pend *p, ar_sig *s, uint64_t v);

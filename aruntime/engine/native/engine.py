@@ -97,10 +97,9 @@ CELLS = 512
 """The cells (words where the core writes the value of an op pending in it) allocated together, in one array."""
 
 
-def new_cells() -> memoryview:
-    """:data:`CELLS` new cells, zeroed (see :meth:`NativeEngine.pend`): 64-bit words in memory that stays where it
-    is while the core may write it (a view, which cannot be resized, of bytes nothing else holds)."""
-    return memoryview(bytearray(8 * CELLS)).cast("Q")
+def new_cells() -> array[int]:
+    """A new array of :data:`CELLS` cells, zeroed (see :meth:`NativeEngine.pend`)."""
+    return array("Q", bytes(8 * CELLS))
 
 
 _log = logging.getLogger("aruntime")
@@ -238,7 +237,7 @@ def _cell_address(op: Op) -> int:
     assert cell is not None
     if not (type(at) is int and 0 <= at < len(cell)):  # the core writes there
         raise ValueError(f"{op!r}: its cell is out of range")
-    return ctypes.addressof(ctypes.c_uint64.from_buffer(cell, 8 * at))  # checked: a writable buffer, long enough
+    return int(cell.buffer_info()[0]) + 8 * at
 
 
 def _u64s(address: int, count: int) -> memoryview:
@@ -291,6 +290,7 @@ class NativeEngine(Engine):
     __slots__ = (  # slots: the native submission path reads them where they lie
         "_cell_at",
         "_cells",
+        "_cells_pin",
         "_fast_state",
         "_pended",
         "_pended_at",
@@ -352,8 +352,9 @@ class NativeEngine(Engine):
         self._failed: dict[int, tuple[int, int, int]] = {}  # op value -> (command index, kind, status)
         self._python: dict[int, Op] = {}  # op id -> op, for ops with commands the Python thread runs
         self._pended: list[Op] = []  # ops pending in the core, not yet retired
-        self._pended_keep: list[Sequence[Any] | None] = []  # what each keeps alive (no tuple per op: see pend)
-        self._cells = memoryview(bytearray())  # the cells new pending ops are taken from, CELLS at a time
+        self._pended_keep: list[Sequence[Any] | None] = []  # what each keeps alive, its cells' pin with it (see pend)
+        self._cells = array("Q")  # the array the cells of new pending ops are taken from, CELLS at a time
+        self._cells_pin = memoryview(self._cells)  # its pin: see pend
         self._cell_at = CELLS  # the next free one in it (CELLS: none left)
         self._pended_at = -1  # the signal value _pended was last looked through at (-1: changed since)
         self._thread: threading.Thread | None = None
@@ -441,6 +442,7 @@ class NativeEngine(Engine):
             at = self._cell_at  # the op's cell: a word of an array shared with other ops (no object per op)
             if at == CELLS:
                 self._cells, at = new_cells(), 0
+                self._cells_pin = memoryview(self._cells)
             self._cell_at = at + 1
             op.cell, op.at = self._cells, at
             pend = lib.ar_pend_new(self.address, records, count, _cell_address(op))
@@ -451,7 +453,9 @@ class NativeEngine(Engine):
             op.hold(self)
             with self._retire_lock:  # retire() replaces the lists
                 self._pended.append(op)
-                self._pended_keep.append(keep)
+                # the array's pin too: a view, which keeps the array where it is (it cannot be resized or freed
+                # meanwhile, whatever becomes of op.cell) until no op pending in it is left
+                self._pended_keep.append((*(keep or ()), self._cells_pin))
                 self._pended_at = -1
         for on_dispatch, dep in blockers:
             dep_engine = dep.engine

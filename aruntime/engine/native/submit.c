@@ -238,7 +238,7 @@ static PyObject *s_log, *s_offset, *s_nbytes, *s_signal, *s_ptr, *s_timeout, *s_
     *s_check_open, *s_acquire, *s_release, *s_append, *s_failures_seen, *s_failed, *s_state, *s_open,
     *s_enabled, *s_device, *s_plan, *s_outs, *s_name, *s_compute, *s_copy, *s_base, *s_handle, *s_generation,
     *s_owner, *s_dtype, *s_copy_fn, *s_inline, *s_fast_state, *s_retire_lock, *s_popleft, *s_gate, *s_admit, *s_pended, *s_pended_keep, *s_pended_at,
-    *s_retire_python, *s_cell_at, *s_cells, *s_held, *s_request_var, *s_own_gate, *s_waiting, *s_window,
+    *s_retire_python, *s_cell_at, *s_cells, *s_cells_pin, *s_held, *s_request_var, *s_own_gate, *s_waiting, *s_window,
     *s_sched_open, *s_queued, *s_queue, *s_priority, *s_fast;
 
 /* ---- engines: what never changes while a native engine lives, in an object it holds (its `_fast_state`) ---- */
@@ -255,7 +255,7 @@ typedef struct {
   PyObject *failed;            /* its `_failed` dict */
 } engine_state;
 
-#define STATE_OBJECTS 10 /* the objects it holds, from `acquire` on */
+#define STATE_OBJECTS 10 /* the objects it holds, from `lock` on */
 
 static PyObject **state_objects(engine_state *st) { return &st->lock; }
 
@@ -308,41 +308,53 @@ typedef struct {
 
 static PyTypeObject lock_type;
 
-/* Take `lock` (a Lock of this module or any object with acquire()): 0, or -1. One that is busy is waited for
- * with the GIL released, as threading.Lock does. */
+/* Take `lock`, a Lock of this module: 0, or -1 (a signal handler raised while it waited). One that is busy is waited
+ * for with the GIL released and signal handlers run meanwhile, as threading.Lock does. */
 static int lock_take(PyObject *lock) {
-  if (Py_IS_TYPE(lock, &lock_type)) {
-    lock_object *l = (lock_object *)lock;
-    if (!PyThread_acquire_lock(l->lock, NOWAIT_LOCK)) {
+  lock_object *l = (lock_object *)lock;
+  if (!PyThread_acquire_lock(l->lock, NOWAIT_LOCK)) {
+    PyLockStatus got;
+    do {
       Py_BEGIN_ALLOW_THREADS
-      PyThread_acquire_lock(l->lock, WAIT_LOCK);
+      got = PyThread_acquire_lock_timed(l->lock, -1, 1);
       Py_END_ALLOW_THREADS
-    }
-    l->locked = 1;
-    return 0;
+      if (got == PY_LOCK_INTR && Py_MakePendingCalls() < 0) return -1;
+    } while (got != PY_LOCK_ACQUIRED);
   }
+  l->locked = 1;
+  return 0;
+}
+
+/* Let go of `lock`, a Lock of this module taken by lock_take, keeping an error already set: `rc`, or -1 with a
+ * RuntimeError where it is not held (let go of already). */
+static int lock_give(PyObject *lock, int rc) {
+  lock_object *l = (lock_object *)lock;
+  if (!l->locked) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "release unlocked lock");
+    return -1;
+  }
+  l->locked = 0;
+  PyThread_release_lock(l->lock);
+  return rc;
+}
+
+/* Take `lock`, this module's Lock or any object with acquire() and release(): 0 with what lets it go in `release`
+ * (NULL for this module's Lock; had before it is taken), or -1. */
+static int any_take(PyObject *lock, PyObject **release) {
+  *release = NULL;
+  if (Py_IS_TYPE(lock, &lock_type)) return lock_take(lock);
+  if (!(*release = PyObject_GetAttr(lock, s_release))) return -1;
   PyObject *r = PyObject_CallMethodNoArgs(lock, s_acquire);
+  if (!r) Py_CLEAR(*release);
   Py_XDECREF(r);
   return r ? 0 : -1;
 }
 
-/* Let go of `lock`, taken by lock_take, keeping an error already set: `rc`, or -1 if it could not be let go. */
-static int lock_give(PyObject *lock, int rc) {
-  if (Py_IS_TYPE(lock, &lock_type)) {
-    lock_object *l = (lock_object *)lock;
-    l->locked = 0;
-    PyThread_release_lock(l->lock);
-    return rc;
-  }
-  PyObject *type, *value, *traceback;
-  PyErr_Fetch(&type, &value, &traceback);
-  PyObject *r = PyObject_CallMethodNoArgs(lock, s_release);
-  if (!r) {
-    rc = -1;
-    if (type) PyErr_Clear(); /* the first error is the one to raise */
-  }
-  Py_XDECREF(r);
-  if (type) PyErr_Restore(type, value, traceback);
+/* Let go of what any_take took, keeping an error already set: `rc`, or -1. */
+static int any_give(PyObject *lock, PyObject *release, int rc) {
+  if (!release) return lock_give(lock, rc);
+  rc = call_keeping_error(release, rc);
+  Py_DECREF(release);
   return rc;
 }
 
@@ -377,12 +389,7 @@ static PyObject *lock_acquire(PyObject *self, PyObject *unused) {
 
 static PyObject *lock_release(PyObject *self, PyObject *unused) {
   (void)unused;
-  if (!((lock_object *)self)->locked) {
-    PyErr_SetString(PyExc_RuntimeError, "release unlocked lock");
-    return NULL;
-  }
-  lock_give(self, 0);
-  Py_RETURN_NONE;
+  return lock_give(self, 0) ? NULL : Py_NewRef(Py_None);
 }
 
 static PyObject *lock_exit(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -419,7 +426,7 @@ static PyTypeObject lock_type = {
 /* Take native `engine`'s submission lock (`retire`: its retire lock): 0, or -1. */
 static int engine_take(PyObject *engine, int retire) {
   engine_state *st = state_of(engine);
-  return st ? lock_take(retire ? st->retire_lock : st->lock) : -1;
+  return st ? lock_take(retire ? st->retire_lock : st->lock) : -1; /* state() checked they are this module's */
 }
 
 /* Let go of the lock engine_take took, keeping an error already set: `rc`, or -1 if it could not be let go. */
@@ -789,6 +796,10 @@ static int retire_pended(PyObject *engine, uint64_t reached, PyObject *empty, Py
     PyObject *op = PyList_GET_ITEM(ops, i), *keep = PyList_GET_ITEM(keeps, i);
     if (!is_op(op, "a queue's pending ops")) goto cut;
     PyObject *c = SLOT(op, S_CELL);
+    if (!c) {
+      PyErr_Format(PyExc_AttributeError, "%R has no cell", op);
+      goto cut;
+    }
     if (c != cell_obj) { /* ops share cell arrays: read each one's memory once */
       Py_buffer view;
       if (PyObject_GetBuffer(c, &view, PyBUF_SIMPLE)) goto cut;
@@ -903,13 +914,16 @@ static PyObject *retire(PyObject *self, PyObject *engine) {
 /* The address of the word the core writes a pending op's value into: its cell array's memory, at its index. */
 static uint64_t *cell_address(PyObject *op) {
   /* views of the last arrays of cells looked at, held: ops share arrays of CELLS cells, so a few arrays (the
-   * engines' newest) serve most ops; an array whose view is held cannot be resized (its words stay where they are,
-   * as the core, which writes them, needs) */
+   * engines' newest) serve most ops, and an array whose view is held cannot be resized meanwhile */
   enum { KEPT = 4 };
   static Py_buffer kept[KEPT];
   static unsigned next;
   PyObject *c = SLOT(op, S_CELL);
-  Py_ssize_t index = PyLong_AsSsize_t(SLOT(op, S_AT));
+  Py_ssize_t index = c ? PyLong_AsSsize_t(SLOT(op, S_AT)) : -1;
+  if (!c || (index == -1 && PyErr_Occurred())) {
+    if (!PyErr_Occurred()) PyErr_Format(PyExc_AttributeError, "%R has no cell", op);
+    return NULL;
+  }
   uint64_t *words = NULL;
   Py_ssize_t len = 0;
   for (int i = 0; i < KEPT && !words; i++)
@@ -919,7 +933,7 @@ static uint64_t *cell_address(PyObject *op) {
     }
   if (!words) {
     Py_buffer fresh, old;
-    if (PyObject_GetBuffer(c, &fresh, PyBUF_SIMPLE)) return NULL;
+    if (PyObject_GetBuffer(c, &fresh, PyBUF_WRITABLE)) return NULL;
     words = fresh.buf;
     len = fresh.len / 8;
     Py_buffer *at = &kept[next++ % KEPT];
@@ -928,7 +942,7 @@ static uint64_t *cell_address(PyObject *op) {
     if (old.obj) PyBuffer_Release(&old); /* last: what letting go of it runs finds the new view in place */
   }
   if (index < 0 || index >= len || !words) {
-    if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "%R: its cell is out of range", op);
+    PyErr_Format(PyExc_ValueError, "%R: its cell is out of range", op);
     return NULL;
   }
   return words + index;
@@ -1248,12 +1262,28 @@ typedef struct {
 /* NativeEngine.pend in C for `op` and the conditions of dispatch_when_ready's _pend_held: its records handed to
  * native `engine`'s core with a cell (a word of the engine's shared cell array), appended to its queue by the core
  * from whichever thread meets the last condition. 1, 0 before any side effect (Python's), -1. */
+/* What a pending op keeps alive: `keep` (None or a tuple) and `pin`, the view that keeps its array of cells where it
+ * is (NativeEngine.pend's rule). New reference. */
+static PyObject *keep_with(PyObject *keep, PyObject *pin) {
+  if (keep == Py_None) return untracked(tuple_of(1, Py_NewRef(pin)));
+  if (!PyTuple_Check(keep)) {
+    PyErr_SetString(PyExc_TypeError, "what an op keeps must be a tuple or None");
+    return NULL;
+  }
+  Py_ssize_t n = PyTuple_GET_SIZE(keep);
+  PyObject *t = PyTuple_New(n + 1);
+  if (!t) return NULL;
+  for (Py_ssize_t i = 0; i < n; i++) PyTuple_SET_ITEM(t, i, Py_NewRef(PyTuple_GET_ITEM(keep, i)));
+  PyTuple_SET_ITEM(t, n, Py_NewRef(pin));
+  return untracked(t);
+}
+
 static int pend_op(PyObject *engine, PyObject *op, PyObject *body, PyObject *deps, uint64_t gate, cond_t *conds,
                    int nconds) {
   if (engine_take(engine, 0)) return -1;
   ar_cmd recs[MAX_RECORDS];
   int nrec = 0, rc = engine_closed(engine);
-  PyObject *keep = Py_None, *kept = NULL, *cells = NULL, *at_obj = NULL;
+  PyObject *keep = Py_None, *kept = NULL, *cells = NULL, *at_obj = NULL, *pin = NULL, *pinned = NULL;
   void *pend = NULL;
   if (rc) { /* closed: Python's (dispatch_when_ready abandons the op) */
     rc = rc < 0 ? -1 : 0;
@@ -1269,13 +1299,17 @@ static int pend_op(PyObject *engine, PyObject *op, PyObject *body, PyObject *dep
   at_obj = ATTR(engine, s_cell_at);
   Py_ssize_t at = at_obj ? PyLong_AsSsize_t(at_obj) : -1;
   if (at < 0) goto unlock;
-  if (at >= g_cells) { /* a new shared array of cells */
+  if (at >= g_cells) { /* a new shared array of cells, and its pin (see NativeEngine.pend) */
     cells = PyObject_CallNoArgs(g_new_cells);
-    if (!cells || SET_ATTR(engine, s_cells, cells)) goto unlock;
+    PyObject *fresh_pin = cells ? PyMemoryView_FromObject(cells) : NULL;
+    int set = !fresh_pin || SET_ATTR(engine, s_cells, cells) || SET_ATTR(engine, s_cells_pin, fresh_pin);
+    Py_XDECREF(fresh_pin);
+    if (set) goto unlock;
     at = 0;
   } else if (!(cells = ATTR(engine, s_cells))) {
     goto unlock;
   }
+  if (!(pin = ATTR(engine, s_cells_pin)) || !(pinned = keep_with(keep, pin))) goto unlock;
   PyObject *next = PyLong_FromSsize_t(at + 1), *index = next ? PyLong_FromSsize_t(at) : NULL;
   int set = !index || SET_ATTR(engine, s_cell_at, next);
   if (!set) {
@@ -1314,7 +1348,7 @@ static int pend_op(PyObject *engine, PyObject *op, PyObject *body, PyObject *dep
   if (!engine_take(engine, 1)) { /* the pending lists, as retire() replaces them */
     PyObject *ops = ATTR(engine, s_pended), *keeps = ops ? ATTR(engine, s_pended_keep) : NULL;
     PyObject *minus = keeps ? PyLong_FromLong(-1) : NULL;
-    rc = minus && !PyList_Append(ops, op) && !PyList_Append(keeps, keep) && !SET_ATTR(engine, s_pended_at, minus)
+    rc = minus && !PyList_Append(ops, op) && !PyList_Append(keeps, pinned) && !SET_ATTR(engine, s_pended_at, minus)
              ? 1
              : -1;
     Py_XDECREF(minus);
@@ -1327,6 +1361,8 @@ unlock:
   if (rc < 0 && kept) unregister(engine, op);
   Py_XDECREF(at_obj);
   Py_XDECREF(cells);
+  Py_XDECREF(pin);
+  Py_XDECREF(pinned);
   Py_XDECREF(kept);
   if (keep != Py_None) Py_DECREF(keep);
   if (rc <= 0 || !pend) return rc;
@@ -1524,7 +1560,8 @@ static int window_admit(PyObject *window, PyObject *op) {
   if (!lock && PyErr_Occurred()) return -1;
   int rc = 0;
   if (lock) { /* a lock that waits with the GIL released */
-    if (lock_take(lock)) {
+    PyObject *release;
+    if (any_take(lock, &release)) {
       Py_DECREF(lock);
       return -1;
     }
@@ -1546,7 +1583,7 @@ static int window_admit(PyObject *window, PyObject *op) {
     Py_XDECREF(waiting);
     Py_XDECREF(inflight);
     Py_XDECREF(limit);
-    rc = lock_give(lock, rc);
+    rc = any_give(lock, release, rc);
     Py_DECREF(lock);
     if (rc) return rc;
   }
@@ -2192,6 +2229,11 @@ static PyObject *state(PyObject *self, PyObject *args) {
   st->failed = Py_NewRef(failed);
   st->inflight = Py_NewRef(inflight);
   st->keeps = Py_NewRef(keeps);
+  if (!Py_IS_TYPE(lock, &lock_type) || !Py_IS_TYPE(retire_lock, &lock_type)) {
+    Py_DECREF(st);
+    PyErr_SetString(PyExc_TypeError, "state: a native engine's locks must be this module's Lock (submit.new_lock)");
+    return NULL;
+  }
   st->lock = Py_NewRef(lock);
   st->retire_lock = Py_NewRef(retire_lock);
   st->append = PyObject_GetAttr(inflight, s_append);
@@ -2490,7 +2532,7 @@ PyMODINIT_FUNC PyInit__submit(void) {
       {&s_fast_state, "_fast_state"}, {&s_retire_lock, "_retire_lock"}, {&s_popleft, "popleft"},
       {&s_gate, "_gate"},       {&s_admit, "_admit"},
       {&s_pended, "_pended"},   {&s_pended_keep, "_pended_keep"}, {&s_pended_at, "_pended_at"},
-      {&s_retire_python, "_retire"}, {&s_cell_at, "_cell_at"}, {&s_cells, "_cells"}, {&s_held, "held"},
+      {&s_retire_python, "_retire"}, {&s_cell_at, "_cell_at"}, {&s_cells, "_cells"}, {&s_cells_pin, "_cells_pin"}, {&s_held, "held"},
       {&s_request_var, "_request_var"}, {&s_own_gate, "_own_gate"}, {&s_waiting, "_waiting"}, {&s_window, "_window"},
       {&s_sched_open, "_open"}, {&s_queued, "_queued"}, {&s_queue, "_queue"}, {&s_priority, "priority"},
       {&s_fast, "fast"},
