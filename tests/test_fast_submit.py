@@ -256,6 +256,49 @@ def test_a_busy_lock_is_waited_for_with_the_gil_let_go() -> None:
     assert done.stdout.strip() == "['holder lets go', 'waiter has it']"
 
 
+def test_a_wait_on_the_modules_lock_runs_signal_handlers() -> None:
+    """A thread waiting for a busy lock runs the signal handlers that come meanwhile (Ctrl-C interrupts it), as a
+    wait on threading.Lock does; in a child interpreter, against a holder that lets go only after 5 s."""
+    _module_lock()  # skips where the module cannot be built
+    script = textwrap.dedent(
+        """
+        import signal, threading, time
+        import anyio
+        from aruntime import Device
+        from aruntime.engine.native import submit
+
+        async def main():
+            Device["CPU"].compute  # its engines build the module
+        anyio.run(main)
+        lock = submit.new_lock()
+        holding = threading.Event()
+
+        def holder():
+            with lock:
+                holding.set()
+                time.sleep(5)
+
+        def interrupt(signum, frame):
+            raise KeyboardInterrupt
+
+        threading.Thread(target=holder, daemon=True).start()
+        holding.wait(10)
+        signal.signal(signal.SIGALRM, interrupt)
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        start = time.monotonic()
+        try:
+            lock.acquire()
+        except KeyboardInterrupt:
+            print("interrupted after", round(time.monotonic() - start, 1), "s, held:", lock.locked())
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    words = done.stdout.split()
+    assert words[:2] == ["interrupted", "after"], done.stdout
+    assert float(words[2]) < 2.0 and words[-1] == "True", done.stdout  # by the handler, not the holder letting go
+
+
 async def test_engines_and_schedulers_take_the_modules_lock_and_any_other_lock_works_too() -> None:
     """Engines and schedulers opened with the C path take its lock without a call; one given a threading.Lock
     instead is taken through its methods, with the same results."""

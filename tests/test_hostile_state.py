@@ -358,6 +358,32 @@ CHILDREN = [
         PATHS,
     ),
     Child(
+        "the-cell-of-a-pending-op-deleted",
+        """
+        async def body(dev):
+            gate, flag = await closed_gate(dev)
+            add = await dev.compile(ADD_ONE, outs=(0,))
+            big = dev.inline_copy_max + 8  # on the copy queue: the kernel that reads it is pended in the core
+            buf = await dev.allocate(big)
+            try:
+                async with Scheduler() as sched:
+                    dev.launch(gate, buf, vals=(flag.handle, SPINS))  # writes buf: the copy-in waits for it
+                    sched.copyin(buf, bytes(big))
+                    kernel = sched.launch(add, buf, vals=(big,))  # pending in the core until the copy-in is done
+                    if kernel.cell is None:
+                        wrong("the kernel is not pending in the core: nothing is tested")
+                    del kernel.cell
+                    try:
+                        sched.copyout(buf)  # reads the kernel's cell (it crashed the interpreter)
+                    finally:
+                        ctypes.c_int32.from_address(flag.handle).value = 1  # the gate opens either way
+            except (AttributeError, DeviceError) as exc:
+                ok(exc)
+            ok("ran")
+        """,
+        ("c",),
+    ),
+    Child(
         "a-cpu-program-moved-to-the-null-device",
         """
         async def body(dev):
