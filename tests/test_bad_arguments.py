@@ -510,12 +510,14 @@ if np is not None:
     ]
 
 
-def _params(cases: dict[str, list[Case]]) -> Iterator[Any]:
+def _params(cases: dict[str, list[Case]]) -> list[Any]:
     """Each case on each path."""
-    for method, group in cases.items():
-        for case in group:
-            for path in PATHS:
-                yield pytest.param(path, case, id=f"{path}-{method}-{case.id}")
+    return [
+        pytest.param(path, case, id=f"{path}-{method}-{case.id}")
+        for method, group in cases.items()
+        for case in group
+        for path in PATHS
+    ]
 
 
 @pytest.mark.parametrize(("path", "case"), _params({"launch": LAUNCH, "copyin": COPYIN, "copyout": COPYOUT}))

@@ -233,7 +233,7 @@ def test_a_busy_lock_is_waited_for_with_the_gil_let_go() -> None:
             with lock:
                 holding.set()
                 waiting.wait(10)
-                time.sleep(0.05)  # Python, which needs the GIL, while the waiter waits
+                time.sleep(0.3)  # Python, which needs the GIL, while the waiter waits
                 order.append("holder lets go")
 
         def waiter():

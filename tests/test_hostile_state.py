@@ -19,7 +19,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -452,10 +451,8 @@ CHILDREN = [
 ]
 
 
-def _params() -> Iterator[Any]:
-    for child in CHILDREN:
-        for path in child.paths:
-            yield pytest.param(child, path, id=f"{child.id}-{path}")
+def _params() -> list[Any]:
+    return [pytest.param(child, path, id=f"{child.id}-{path}") for child in CHILDREN for path in child.paths]
 
 
 def _run_child(child: Child, path: str) -> subprocess.CompletedProcess[str]:
