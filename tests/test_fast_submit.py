@@ -195,6 +195,30 @@ def _module_lock() -> Any:
     return lock
 
 
+_LOCK_PRELUDE = """
+import signal, threading, time
+import anyio
+from aruntime import Device
+from aruntime.engine.native import submit
+
+async def main():
+    Device["CPU"].compute  # its engines build the module
+anyio.run(main)
+lock = submit.new_lock()
+assert type(lock).__module__ == "aruntime.engine.native.submit"
+"""
+
+
+def _in_a_child(body: str) -> subprocess.CompletedProcess[str]:
+    """Run ``body`` in a child interpreter after a prelude that makes ``lock``, one of the module's, with a time
+    limit (so that a wait that never ends fails the test instead of hanging the suite); it must exit cleanly."""
+    _module_lock()  # skips where the module cannot be built
+    script = _LOCK_PRELUDE + textwrap.dedent(body)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
 def test_the_modules_lock_is_a_lock() -> None:
     """Taken, held, let go of, as threading.Lock is; letting go of a lock nobody holds is an error that says so."""
     lock = _module_lock()
@@ -214,19 +238,8 @@ def test_a_busy_lock_is_waited_for_with_the_gil_let_go() -> None:
     """A thread that takes a lock another thread holds waits without the GIL: the holder runs Python on and lets
     go, then the waiter has it. Run in a child interpreter, so that a wait that kept the GIL (which would never see
     the holder let go) fails the test by its time limit instead of hanging the suite."""
-    _module_lock()  # skips where the module cannot be built
-    script = textwrap.dedent(
+    done = _in_a_child(
         """
-        import threading, time
-        import anyio
-        from aruntime import Device
-        from aruntime.engine.native import submit
-
-        async def main():
-            Device["CPU"].compute  # its engines build the module
-        anyio.run(main)
-        lock = submit.new_lock()
-        assert type(lock).__module__ == "aruntime.engine.native.submit"
         holding, waiting, order = threading.Event(), threading.Event(), []
 
         def holder():
@@ -251,26 +264,14 @@ def test_a_busy_lock_is_waited_for_with_the_gil_let_go() -> None:
         print(order)
         """
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "['holder lets go', 'waiter has it']"
 
 
 def test_a_wait_on_the_modules_lock_runs_signal_handlers() -> None:
     """A thread waiting for a busy lock runs the signal handlers that come meanwhile (Ctrl-C interrupts it), as a
     wait on threading.Lock does; in a child interpreter, against a holder that lets go only after 5 s."""
-    _module_lock()  # skips where the module cannot be built
-    script = textwrap.dedent(
+    done = _in_a_child(
         """
-        import signal, threading, time
-        import anyio
-        from aruntime import Device
-        from aruntime.engine.native import submit
-
-        async def main():
-            Device["CPU"].compute  # its engines build the module
-        anyio.run(main)
-        lock = submit.new_lock()
         holding = threading.Event()
 
         def holder():
@@ -292,8 +293,6 @@ def test_a_wait_on_the_modules_lock_runs_signal_handlers() -> None:
             print("interrupted after", round(time.monotonic() - start, 1), "s, held:", lock.locked())
         """
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
     words = done.stdout.split()
     assert words[:2] == ["interrupted", "after"], done.stdout
     assert float(words[2]) < 2.0 and words[-1] == "True", done.stdout  # by the handler, not the holder letting go
