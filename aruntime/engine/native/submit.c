@@ -1259,9 +1259,6 @@ typedef struct {
   PyObject *dep; /* borrowed: held by the op's deps */
 } cond_t;
 
-/* NativeEngine.pend in C for `op` and the conditions of dispatch_when_ready's _pend_held: its records handed to
- * native `engine`'s core with a cell (a word of the engine's shared cell array), appended to its queue by the core
- * from whichever thread meets the last condition. 1, 0 before any side effect (Python's), -1. */
 /* What a pending op keeps alive: `keep` (None or a tuple) and `pin`, the view that keeps its array of cells where it
  * is (NativeEngine.pend's rule). New reference. */
 static PyObject *keep_with(PyObject *keep, PyObject *pin) {
@@ -1278,6 +1275,9 @@ static PyObject *keep_with(PyObject *keep, PyObject *pin) {
   return untracked(t);
 }
 
+/* NativeEngine.pend in C for `op` and the conditions of dispatch_when_ready's _pend_held: its records handed to
+ * native `engine`'s core with a cell (a word of the engine's shared cell array), appended to its queue by the core
+ * from whichever thread meets the last condition. 1, 0 before any side effect (Python's), -1. */
 static int pend_op(PyObject *engine, PyObject *op, PyObject *body, PyObject *deps, uint64_t gate, cond_t *conds,
                    int nconds) {
   if (engine_take(engine, 0)) return -1;

@@ -19,7 +19,8 @@ built.
 
 The locks it takes (a native engine's submission and retire locks, a scheduler's) are its own ``Lock`` (see
 :func:`new_lock`): one it takes and lets go of without a method call, which Python code holds with ``with`` as a
-:class:`threading.Lock`; a busy one is waited for with the GIL let go, without a timeout.
+:class:`threading.Lock`; a busy one is waited for with the GIL let go (signal handlers run meanwhile), without a
+timeout.
 
 It is built at first use with the system C compiler against the running interpreter's headers (``Python.h``;
 on Debian and Ubuntu the ``python3-dev`` package), through the compile cache like the core, under a key that
@@ -53,7 +54,6 @@ buf, host, out, priority)``, a :class:`~aruntime.scheduler.Scheduler`'s op metho
 method in between (None likewise); ``retire_window(inflight, failed)``, the scheduler's retiring of its
 window; and ``capsule_destructor(delete)``, the DLPack capsules' destructor (see
 :func:`aruntime.memory.dlpack.use_capsule_destructor`)."""
-
 
 unavailable: str | None = None
 """Why the C submission path could not be built (None once it was, or before it was first asked for)."""
