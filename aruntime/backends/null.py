@@ -49,7 +49,9 @@ register_native(_nothing, "nothing")
 class NullProgram(Program):
     """Runs nothing."""
 
-    _plan = (_nothing, None)
+    def __init__(self, device: BaseDevice, name: str, lib: bytes, outs: Sequence[int] | None = None) -> None:
+        super().__init__(device, name, lib, outs)
+        self._plan = (_nothing, None)
 
     def bind(self, addresses: Sequence[int], vals: Sequence[int | float]) -> Bound:
         """A function that does nothing, with no arguments."""

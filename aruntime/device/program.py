@@ -15,19 +15,19 @@ Bound = tuple[Callable[..., object], tuple[Any, ...]]
 class Program:
     """A compiled kernel of one device; :meth:`bind` says what the compute engine calls for a launch."""
 
-    __slots__ = ("__dict__", "__weakref__", "_device", "_outs", "lib", "name")  # read in place when submitting
-
-    _plan: tuple[Callable[..., object], bytes | None] | None = None
-    """How the native submission path binds a launch as :meth:`bind` does, or None where only :meth:`bind` can:
-    the callable, and the parameters as a byte pair each (``p``, ``f``, ``i`` or ``u``, and the bits), each
-    pointer taking the next buffer's address and each other the next scalar, packed as 8-byte words; or None
-    for a callable that takes no arguments, any buffers and no scalars."""
+    __slots__ = ("__dict__", "__weakref__", "_device", "_outs", "_plan", "lib", "name")  # read in place when submitting
 
     def __init__(self, device: BaseDevice, name: str, lib: bytes, outs: Sequence[int] | None = None) -> None:
         self._device = device
         self.name = name
         self.lib = lib
         self._outs = None if outs is None else tuple(outs)
+        self._plan: tuple[Callable[..., object], bytes | None] | None = None
+        """How the native submission path binds a launch as :meth:`bind` does, or None where only :meth:`bind`
+        can: the callable, and the parameters as a byte pair each (``p``, ``f``, ``i`` or ``u``, and the bits),
+        each pointer taking the next buffer's address and each other the next scalar, packed as 8-byte words; or
+        None for a callable that takes no arguments, any buffers and no scalars. A backend sets it in its
+        ``__init__``."""
 
     @property
     def device(self) -> BaseDevice:

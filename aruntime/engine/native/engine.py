@@ -295,10 +295,12 @@ class NativeEngine(Engine):
         "_pended",
         "_pended_at",
         "_pended_keep",
+        "_thread",
         "closed",
         "failures_seen",
         "fast",
         "held",
+        "signal",
     )
     assigns_values = True  # the core numbers ops: it also hands on pending ops itself
     pends = True

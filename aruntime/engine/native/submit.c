@@ -1074,7 +1074,7 @@ static int build_records(PyObject *engine, PyObject *op, PyObject *cmds, uint64_
     rec->index = index | CHECK_BIT;
     engine_state *st = state_of(engine);
     int failed = !st || PyDict_SetItem(st->python, SLOT(op, S_ID), op);
-    PyObject *thread = failed ? NULL : PyObject_GetAttr(engine, s_thread);
+    PyObject *thread = failed ? NULL : ATTR(engine, s_thread);
     if (thread && thread == Py_None) {
       PyObject *r = PyObject_CallMethodOneArg(engine, s_python_runs, op);
       if (!r) failed = 1;
@@ -1470,7 +1470,7 @@ static int push(PyObject *engine, PyObject *op, PyObject *body, PyObject *deps, 
   PyObject *cmds = PyList_New(0);
   int rc = cmds ? 0 : -1;
   for (int i = 0; i < nwaits && !rc; i++) {
-    PyObject *sig = PyObject_GetAttr(waits[i].engine, s_signal);
+    PyObject *sig = ATTR(waits[i].engine, s_signal);
     PyObject *item = sig ? tuple_of(3, Py_NewRef(g_wait_kind), Py_NewRef(sig), PyLong_FromUnsignedLongLong(waits[i].value))
                          : NULL;
     if (!item || PyList_Append(cmds, item)) rc = -1;
