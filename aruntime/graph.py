@@ -37,7 +37,7 @@ from aruntime.engine.ops import protect
 from aruntime.errors import BufferUsageError, DeviceError, SignalTimeout
 from aruntime.events import GraphEntry, GraphEvent, recorder
 from aruntime.helpers import after_all
-from aruntime.memory import Buffer, pin, typed, zeroed
+from aruntime.memory import Buffer, hold_logs, pin, typed, zeroed
 
 _graph_ids = itertools.count(1)
 
@@ -528,14 +528,40 @@ class Graph:
             engine.check_open(plan.what)
         name = f"Graph #{self.id} replay {run_index} "
         ops = {e: Op(name + plan.labels[e], (), keep) for e in engines}
+        for engine, op in ops.items():
+            op.hold(engine)  # bound before another thread can find it in a hazard log or a window
+        try:
+            return self._hand_over(plan, bodies, bufs, window, ops)
+        except BaseException as exc:
+            for engine, op in ops.items():
+                op.drop_unsubmitted(engine, exc)
+            raise
+
+    def _hand_over(
+        self,
+        plan: _Plan,
+        bodies: dict[Engine, list[Command]],
+        bufs: list[Buffer],
+        window: Window | None,
+        ops: dict[Engine, Op],
+    ) -> list[Op]:
+        engines = plan.engines
         deps: dict[Engine, list[Op]] = {e: [] for e in engines}
         inputs: dict[Engine, list[Op]] = {e: [] for e in engines}
         fast = engines[0].fast
-        if fast is not None:  # the same, in C (see aruntime.engine.native.submit)
-            fast.accesses(bufs, plan.accesses, ops, deps, inputs)
-        for engine, i, write, uses in () if fast is not None else plan.accesses:
-            b = bufs[i]
-            b.log.access(b.offset, b.offset + b.nbytes, write, uses, ops[engine], engine, deps[engine], inputs[engine])
+        parts = list(ops.values())
+        lock = hold_logs()  # the parts' accesses, and their place in the window, at once
+        try:
+            if fast is not None:  # the same, in C (see aruntime.engine.native.submit)
+                fast.accesses(bufs, plan.accesses, ops, deps, inputs)
+            for engine, i, write, uses in () if fast is not None else plan.accesses:
+                b = bufs[i]
+                b.log.access(
+                    b.offset, b.offset + b.nbytes, write, uses, ops[engine], engine, deps[engine], inputs[engine]
+                )
+            admitted = window is None or window._admit(parts)
+        finally:
+            lock.release()
         mine = set(ops.values()) if len(engines) > 1 else ()  # an op is never among its own dependencies
         for engine in engines:
             op = ops[engine]
@@ -548,8 +574,6 @@ class Graph:
             op.inputs = outside + [ops[f] for f in plan.feeds[engine]] if mine else outside
         # all engines' parts go together, once every outside dependency is on its queue: their progress
         # waits on one another must never sit in front of an outside op they depend on
-        parts = list(ops.values())
-        admitted = window is None or window._admit(parts)
         dispatch_when_ready(
             [(engine, bodies[engine], ops[engine]) for engine in plan.engines], False, None if admitted else window
         )

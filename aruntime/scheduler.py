@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import threading
 import time
 from array import array
 from collections import deque
@@ -42,6 +43,21 @@ if TYPE_CHECKING:
 
 
 _current_request: contextvars.ContextVar[Request | None] = contextvars.ContextVar("aruntime_request", default=None)
+
+
+_pumping = threading.local()
+"""Per thread, the schedulers whose ``_pump`` runs on it now (by ``id``), each True once asked to go round again."""
+
+
+class _Queued:
+    """Ops a scheduler's window refused, queued in order until it admits them; ``go`` hands them on once it has."""
+
+    __slots__ = ("admitted", "go", "ops")
+
+    def __init__(self, ops: Sequence[Op]) -> None:
+        self.ops = ops
+        self.go: Callable[[], None] | None = None  # given by _queue_for_room
+        self.admitted = False
 
 
 class Scheduler:
@@ -83,6 +99,7 @@ class Scheduler:
         "_queue",
         "_queued",
         "_requests",
+        "_reserved",
         "_waiting",
         "_watching",
         "_window",
@@ -98,7 +115,8 @@ class Scheduler:
         self.queue = queue
         self.drain_timeout = drain_timeout
         self._inflight: deque[Op] = deque()  # admitted, in the order they were
-        self._waiting: deque[tuple[Sequence[Op], Callable[[], None]]] = deque()  # queued: ops and what hands them on
+        self._waiting: deque[_Queued] = deque()  # refused by _admit, in the order they were
+        self._reserved: dict[int, _Queued] = {}  # by its first op's id: the entries _queue_for_room is yet to fill
         self._queued = 0  # ops in _waiting
         self._watching = False  # whether the oldest op in flight will call _pump when it is done
         self._lock = submit.new_lock()  # engine threads retire and admit too
@@ -231,39 +249,70 @@ class Scheduler:
                 self._failed.append(op)
 
     def _admit(self, ops: Sequence[Op]) -> bool:
-        """Admit ``ops`` into the window now if it has room and nothing is queued (True), else False (then
-        :meth:`_queue_for_room` queues them). Called by the device for each op it tracks for this scheduler."""
+        """Admit ``ops`` into the window now if it has room and nothing is queued (True), else queue them (False:
+        :meth:`_queue_for_room` then says what hands them on). Called by the device for each op it tracks for this
+        scheduler, under :func:`~aruntime.memory.hazards.hold_logs`'s lock with the op's accesses: ops are
+        admitted in the order they found one another in, also from several threads, so that no op in the window
+        waits for one still queued behind it."""
         with self._lock:
-            if self._waiting:
-                return False
-            inflight = self._inflight
-            if len(inflight) >= self._window:
-                self._retire()
+            if not self._waiting:
+                inflight = self._inflight
                 if len(inflight) >= self._window:
-                    return False
-            inflight.extend(ops)
-            return True
+                    self._retire()
+                if len(inflight) < self._window:
+                    inflight.extend(ops)
+                    return True
+            entry = _Queued(ops)
+            self._waiting.append(entry)
+            self._queued += len(ops)
+            self._reserved[id(ops[0])] = entry
+            return False
 
     def _queue_for_room(self, ops: Sequence[Op], go: Callable[[], None]) -> None:
-        """Queue ``ops`` (refused by :meth:`_admit`); ``go`` is called, from any thread, once they are admitted."""
+        """``go`` hands on ``ops``, queued by :meth:`_admit`: it is called, from any thread, once they are admitted
+        (now, if they were meanwhile)."""
         with self._lock:
-            self._waiting.append((ops, go))
-            self._queued += len(ops)
-        self._pump()
+            entry = self._reserved.pop(id(ops[0]), None)
+            admitted = entry is not None and entry.admitted
+            if entry is not None and not admitted:
+                entry.go = go
+        if admitted:
+            go()
+        elif entry is not None:  # else dropped: its ops have failed
+            self._pump()
 
     def _pump(self) -> Op | None:
         """Admit queued ops while the window has room, then watch the oldest op in flight if some are left.
 
-        Returns None if an op enqueued now would be admitted at once, else the oldest op in flight."""
+        Returns None if an op enqueued now would be admitted at once, else the oldest op in flight. A call made on
+        this thread while it runs (the watched op was done already, an admitted op's callbacks) makes it go round
+        again instead of nesting: threads finishing ops while it runs never grow the stack."""
+        running = _pumping.__dict__.setdefault("now", {})
+        key = id(self)
+        if key in running:
+            running[key] = True
+            return None
+        try:
+            while True:
+                running[key] = False
+                oldest = self._pump_once()
+                if not running[key]:
+                    return oldest
+        finally:
+            del running[key]
+
+    def _pump_once(self) -> Op | None:
         ready = []
         with self._lock:
             self._retire()
             waiting, inflight = self._waiting, self._inflight
             while waiting and len(inflight) < self._window:
-                ops, go = waiting.popleft()
-                self._queued -= len(ops)
-                inflight.extend(ops)
-                ready.append(go)
+                entry = waiting.popleft()
+                self._queued -= len(entry.ops)
+                inflight.extend(entry.ops)
+                entry.admitted = True
+                if entry.go is not None:  # else _queue_for_room calls it
+                    ready.append(entry.go)
             full = bool(waiting) or len(inflight) >= self._window  # then inflight is not empty (window >= 1)
             oldest = inflight[0] if full else None
             watch = oldest if waiting and not self._watching else None
@@ -272,7 +321,12 @@ class Scheduler:
         for go in ready:
             go()
         if watch is not None:
-            watch.when_done(self._watched_done)
+            try:
+                watch.when_done(self._watched_done)
+            except BaseException:
+                with self._lock:
+                    self._watching = False  # nothing watches it: the next _pump does
+                raise
         return oldest
 
     def _watched_done(self) -> None:
@@ -290,8 +344,9 @@ class Scheduler:
         with self._lock:
             dropped, self._waiting = self._waiting, deque()
             self._queued = 0
-        for ops, _ in dropped:
-            for op in ops:
+            self._reserved.clear()
+        for entry in dropped:
+            for op in entry.ops:
                 assert op.engine is not None  # held for its engine
                 op.observed = True
                 error = OpError(f"{op.name} was dropped: its scheduler closed before it was admitted")
@@ -338,7 +393,7 @@ class Scheduler:
         while True:
             with self._lock:
                 self._retire()
-                ops = [op for ops, _ in self._waiting for op in ops]
+                ops = [op for entry in self._waiting for op in entry.ops]
                 ops.extend(self._inflight)
             # the newest op not done first: by the time it is, most of the others are (one wake-up, not one each)
             newest = next((op for op in reversed(ops) if not op.done()), None)

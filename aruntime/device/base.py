@@ -39,7 +39,7 @@ from aruntime.engine import (
 from aruntime.engine.ops import check_priority, protect
 from aruntime.errors import BufferUsageError, DeviceError
 from aruntime.helpers import check_seconds, checkpoint, getenv, is_index
-from aruntime.memory import Allocator, Buffer, BufferScope, BufferSpec, pin, typed, zeroed
+from aruntime.memory import Allocator, Buffer, BufferScope, BufferSpec, hold_logs, pin, typed, zeroed
 
 
 class BaseDevice(Closing, ProfileHooks):
@@ -327,26 +327,36 @@ class BaseDevice(Closing, ProfileHooks):
             if made is not None:
                 return made
         engine.check_open(name)  # before the hazard logs learn of an op that would never run
-        op = Op(name, (), keep, result)
         gate = gate_of(window)
-        if gate is not None and engine.reads_gates:
-            op.gate = gate
-        deps: list[Op] = []
-        if reads or writes:
+        op = Op(name, (), keep, result)
+        op.hold(engine)  # bound before another thread can find it (in a hazard log, in a window): held till then
+        try:
+            if gate is not None and engine.reads_gates:
+                op.gate = gate
+            deps: list[Op] = []
             inputs: list[Op] = []
-            for buf in reads:
-                buf.log.access(buf.offset, buf.offset + buf.nbytes, False, True, op, engine, deps, inputs)
-            for buf in writes:
-                buf.log.access(buf.offset, buf.offset + buf.nbytes, True, False, op, engine, deps, inputs)
+            admitted = True
+            if reads or writes or window is not None:
+                lock = hold_logs()  # its accesses, and its place in the window, at once
+                try:
+                    for buf in reads:
+                        buf.log.access(buf.offset, buf.offset + buf.nbytes, False, True, op, engine, deps, inputs)
+                    for buf in writes:
+                        buf.log.access(buf.offset, buf.offset + buf.nbytes, True, False, op, engine, deps, inputs)
+                    admitted = window is None or window._admit((op,))
+                finally:
+                    lock.release()
             if inputs:
                 op.inputs = deps if inputs == deps else inputs  # one list for both where they agree (a copy-out)
                 protect(inputs, gate)
-        admitted = window is None or window._admit((op,))
-        if admitted and not deps:
-            return engine.push(body, op)
-        op.deps = deps
-        held = (hold and self.holds_ops) or window is not None
-        dispatch_when_ready([(engine, body, op)], held, None if admitted else window)
+            if admitted and not deps:
+                return engine.push(body, op)
+            op.deps = deps
+            held = (hold and self.holds_ops) or window is not None
+            dispatch_when_ready([(engine, body, op)], held, None if admitted else window)
+        except BaseException as exc:
+            op.drop_unsubmitted(engine, exc)
+            raise
         return op
 
     def _copy_engine(self, buf: Buffer, write: bool, priority: int) -> Engine:

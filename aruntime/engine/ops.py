@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from array import array
+from collections import deque
 from collections.abc import Callable, Collection, Generator, Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -273,12 +274,32 @@ class Op:
         _run_later(engine, self, later or ())
         return True
 
+    def resolve_when_handed_on(self) -> None:
+        """For an op pending in the native core: once the core hands it on, take its value and run what waits in
+        ``later`` (added while it was held, before it was pended), which nothing else would look at."""
+        engine = self._submitted()
+        if self.later:
+            engine.when_handed_on(self, self._look_again)
+
+    def _look_again(self) -> None:
+        self._resolve()
+
     def hold(self, engine: Engine) -> None:
-        """Bind the op to ``engine`` without handing it over yet (see :meth:`Engine.push`)."""
+        """Bind the op to ``engine`` without handing it over yet (see :meth:`Engine.push`); what already waits
+        for it (it was held before) keeps waiting."""
         self.engine = engine
         self._value = HELD
-        self.later = ()  # a list once something waits for it: no tracked object per op until then
+        if self.later is None:
+            self.later = ()  # a list once something waits for it: no tracked object per op until then
         engine.held.add(self)
+
+    def drop_unsubmitted(self, engine: Engine, error: BaseException) -> None:
+        """Fail a held op whose submission raised ``error`` (already raised to its submitter) before it was handed
+        to ``engine`` or pended in its core: what found it meanwhile (another thread's op on the same buffer, a
+        window) sees it done with that failure instead of waiting for it forever."""
+        if self._value == HELD and self.cell is None:
+            self.observed = True
+            self.abandon(engine, error)
 
     def abandon(self, engine: Engine, error: BaseException) -> None:
         """Fail an op that can no longer be handed to ``engine`` (it was closed while the op was held): the op
@@ -290,8 +311,7 @@ class Op:
             self._value = 0  # done: every timeline is at 0 or beyond
         engine.held.discard(self)
         engine._note_failure(self)
-        for _, callback, _ in later:
-            callback()
+        _run_later(engine, self, [(True, callback, None) for _, callback, _ in later])  # done: each one now
 
     def _when(self, on_dispatch: bool, callback: Callable[[], None]) -> None:
         engine = self._submitted()
@@ -301,6 +321,7 @@ class Op:
             engine.when_handed_on(self, lambda: self._when(on_dispatch, callback))
             return
         if self._value == HELD:
+            added = pended = False
             with _later_lock:
                 if self._value == HELD:
                     later = self.later
@@ -310,7 +331,11 @@ class Op:
                         later.append(item)
                     else:
                         self.later = [item]
-                    return
+                    added, pended = True, self.cell is not None  # pended meanwhile: see resolve_when_handed_on
+            if pended:
+                self.resolve_when_handed_on()
+            if added:
+                return
         if on_dispatch:
             callback()
         else:
@@ -517,11 +542,7 @@ class Engine:
             op.engine = self
             op.cmds = cmds
             self._enqueue(cmds, op)
-        if op.later is not None:  # it was held: run what waited for its dispatch, pass on what waits for the end
-            self.held.discard(op)
-            with _later_lock:
-                later, op.later = op.later, None
-            _run_later(self, op, later)
+        handed_over(self, op)
         return op
 
     def pend(self, cmds: list[Command], op: Op, blockers: Sequence[tuple[bool, Op]]) -> None:
@@ -669,13 +690,49 @@ class Engine:
         """Called once, under the engine's lock, when it closes: let whatever executes finish and end."""
 
 
+def handed_over(engine: Engine, op: Op) -> None:
+    """Once ``op`` (held until now, or never) has been handed to ``engine``: run what waited for its dispatch,
+    pass on what waits for its end (outside the engine's lock: a callback may submit). The C submission path
+    calls it too."""
+    if op.later is not None:
+        engine.held.discard(op)
+        with _later_lock:
+            later, op.later = op.later, None
+        _run_later(engine, op, later)
+
+
+_handing_over = threading.local()
+"""Per thread, the hand-overs (engine, op, later) waiting for the one :func:`_run_later` runs on it now."""
+
+
 def _run_later(engine: Engine, op: Op, later: Later) -> None:
-    """Once ``op`` has been handed to ``engine``: run what waited for that, pass on what waits for its end."""
-    for on_dispatch, callback, where in later:
-        if on_dispatch:
-            callback()
-        else:
-            engine.signal.on_reach(op.value, callback, where)
+    """Once ``op`` has been handed to ``engine``: run what waited for that, pass on what waits for its end.
+
+    A callback often hands on the next held op, whose own waiters then run: on a chain of ops held one behind
+    the other (ops submitted from several threads onto one buffer) that would nest one call per op. Called
+    while it runs on this thread, it queues the hand-over instead, which the outer call runs next. Every
+    callback runs, also after one raised; the first error is raised at the end."""
+    queued: deque[tuple[Engine, Op, Later]] | None = getattr(_handing_over, "queued", None)
+    if queued is not None:
+        queued.append((engine, op, later))
+        return
+    queued = _handing_over.queued = deque(((engine, op, later),))
+    error: BaseException | None = None
+    try:
+        while queued:
+            engine, op, later = queued.popleft()
+            for on_dispatch, callback, where in later:
+                try:
+                    if on_dispatch:
+                        callback()
+                    else:
+                        engine.signal.on_reach(op.value, callback, where)
+                except BaseException as exc:  # the others still run: what waits on them must not wait forever
+                    error = error or exc
+    finally:
+        _handing_over.queued = None
+    if error is not None:
+        raise error
 
 
 def check_deps(op: Op, settle: bool = True) -> None:

@@ -2,10 +2,42 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import threading
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from aruntime.engine import Engine, Op
+
+
+class _Lock(AbstractContextManager[bool], Protocol):
+    def acquire(self) -> bool: ...
+
+    def release(self) -> None: ...
+
+
+_logs_lock: _Lock = threading.Lock()
+"""What every op's accesses are recorded under (see :func:`hold_logs`); the C submission path's own lock once
+it is built (:func:`use_lock`)."""
+
+
+def hold_logs() -> _Lock:
+    """Take the lock under which an op records its accesses, all of them at once, and return it (the caller lets
+    it go). Two ops on the same buffers then find each other in one order: recorded piecemeal, from two threads,
+    each could find the other on a different buffer and wait for it, a cycle that never ends."""
+    while True:
+        lock = _logs_lock
+        lock.acquire()
+        if lock is _logs_lock:
+            return lock
+        lock.release()  # replaced meanwhile: take the one in use
+
+
+def use_lock(lock: _Lock) -> None:
+    """From now on record accesses under ``lock`` (the C submission path's own, which it takes without a call)."""
+    global _logs_lock
+    with _logs_lock:
+        _logs_lock = lock
 
 
 class AccessLog:
@@ -44,7 +76,7 @@ class AccessLog:
         deps: list[Op],
         inputs: list[Op],
     ) -> None:
-        """Record that ``op``, bound for ``engine``, accesses [start, end).
+        """Record that ``op``, bound for ``engine``, accesses [start, end), holding :func:`hold_logs`'s lock.
 
         Adds the ops it must be ordered after to ``deps``, and, when it
         ``consumes`` the bytes (reads them), the ops that write them to ``inputs``.
@@ -79,8 +111,12 @@ class AccessLog:
         """The ops still in flight on this buffer."""
         if not self.entries:
             return []
-        self.entries = [e for e in self.entries if _matters(e[2], e[3])]
-        return [e[3] for e in self.entries if not e[3].done()]
+        lock = hold_logs()
+        try:
+            self.entries = entries = [e for e in self.entries if _matters(e[2], e[3])]
+        finally:
+            lock.release()
+        return [e[3] for e in entries if not e[3].done()]
 
 
 def _matters(write: bool, op: Op) -> bool:

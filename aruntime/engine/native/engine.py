@@ -468,6 +468,7 @@ class NativeEngine(Engine):
                 assert isinstance(dep_engine.signal, NativeSignal)
                 lib.ar_pend_on_sig(pend, dep_engine.signal.ptr, dep.value)
         lib.ar_pend_go(pend)
+        op.resolve_when_handed_on()  # what waited for it while it was held
 
     def _oldest_pended_done(self) -> bool:
         """Whether the oldest op pending in the core is done (or was abandoned there)."""

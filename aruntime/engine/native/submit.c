@@ -62,7 +62,10 @@ static PyTypeObject *g_op_type, *g_native_type, *g_entry_type;
 static PyObject *g_nothing, *g_native_copies, *g_op_ids, *g_wait_kind;
 static PyTypeObject *g_buffer_type;
 static PyObject *g_recorder, *g_dispatch, *g_zeroed, *g_typed, *g_new_cells, *g_name_id, *g_record_deps;
-static PyObject *g_later_acquire, *g_later_release; /* the methods of the lock ops.py takes to hand a held op on */
+static PyObject *g_later_acquire, *g_later_release, *g_later_locked; /* the methods of the lock ops.py takes to
+                                                                        * hand a held op on */
+static PyObject *g_handed_over, *g_held_value; /* ops.handed_over; HELD as an int */
+static PyObject *g_logs_lock; /* this module's Lock that every op records its accesses under (hazards.hold_logs) */
 
 /* offsets of the Op's slots */
 enum { S_AT, S_CELL, S_CMDS, S_DEPS, S_ENGINE, S_ERROR, S_GATE, S_ID, S_INPUTS, S_KEEP, S_LATER, S_NAME,
@@ -239,7 +242,7 @@ static PyObject *s_log, *s_offset, *s_nbytes, *s_signal, *s_ptr, *s_timeout, *s_
     *s_enabled, *s_device, *s_plan, *s_outs, *s_name, *s_compute, *s_copy, *s_base, *s_handle, *s_generation,
     *s_owner, *s_dtype, *s_copy_fn, *s_inline, *s_fast_state, *s_retire_lock, *s_popleft, *s_gate, *s_admit, *s_pended, *s_pended_keep, *s_pended_at,
     *s_retire_python, *s_cell_at, *s_cells, *s_cells_pin, *s_held, *s_request_var, *s_own_gate, *s_waiting, *s_window,
-    *s_sched_open, *s_queued, *s_queue, *s_priority, *s_fast;
+    *s_sched_open, *s_queued, *s_queue, *s_priority, *s_fast, *s_locked, *s_drop_unsubmitted, *s_resolve_when_handed_on;
 
 /* ---- engines: what never changes while a native engine lives, in an object it holds (its `_fast_state`) ---- */
 
@@ -662,8 +665,9 @@ out:
   return rc;
 }
 
-/* A new Op(name, (), keep, result), as Op.__init__ makes it. */
-static PyObject *new_op(PyObject *name, PyObject *keep, PyObject *result) {
+/* A new Op(name, (), keep, result), as Op.__init__ makes it, held for `engine` (Op.hold, without the engine's held
+ * set): bound before another thread can find it in a hazard log or a window, as BaseDevice._submit binds it. */
+static PyObject *new_op(PyObject *engine, PyObject *name, PyObject *keep, PyObject *result) {
   PyObject *id = PyIter_Next(g_op_ids);
   if (!id) return NULL;
   PyObject *op = g_op_type->tp_alloc(g_op_type, 0);
@@ -679,10 +683,10 @@ static PyObject *new_op(PyObject *name, PyObject *keep, PyObject *result) {
   set_slot(op, S_RESULT, result);
   set_slot(op, S_ERROR, Py_None);
   set_slot(op, S_OBSERVED, Py_False);
-  set_slot(op, S_ENGINE, Py_None);
+  set_slot(op, S_ENGINE, engine);
   set_slot(op, S_CMDS, Py_None);
-  set_slot(op, S_VALUE, zero);
-  set_slot(op, S_LATER, Py_None);
+  set_slot(op, S_VALUE, g_held_value);
+  set_slot(op, S_LATER, empty);
   set_slot(op, S_CELL, Py_None);
   set_slot(op, S_AT, zero);
   set_slot(op, S_PEND, zero);
@@ -1331,10 +1335,10 @@ static int pend_op(PyObject *engine, PyObject *op, PyObject *body, PyObject *dep
   }
   PyObject *address = PyLong_FromVoidPtr(pend), *held = address ? PyLong_FromUnsignedLongLong(g_held) : NULL;
   PyObject *empty = held ? PyTuple_New(0) : NULL, *holders = empty ? ATTR(engine, s_held) : NULL;
-  if (holders) { /* Op.hold */
+  if (holders) { /* Op.hold: what waits for it already (it was held) keeps waiting */
     set_slot(op, S_PEND, address);
     set_slot(op, S_VALUE, held);
-    set_slot(op, S_LATER, empty);
+    if (SLOT(op, S_LATER) == Py_None) set_slot(op, S_LATER, empty);
   }
   int added = holders && PySet_Check(holders) && !PySet_Add(holders, op);
   Py_XDECREF(holders);
@@ -1389,6 +1393,12 @@ unlock:
     Py_XDECREF(waited);
   }
   g_pend_go(pend);
+  PyObject *later = SLOT(op, S_LATER); /* what waited for it while it was held: run once the core hands it on */
+  if (PyList_Check(later) && PyList_GET_SIZE(later)) {
+    PyObject *r = PyObject_CallMethodNoArgs(op, s_resolve_when_handed_on);
+    Py_XDECREF(r);
+    if (!r) return -1;
+  }
   return 1;
 }
 
@@ -1626,6 +1636,39 @@ static int protect(PyObject *inputs, PyObject *gate) {
   return 0;
 }
 
+/* ops.handed_over for `op`, held until this path handed it to `engine` (outside the engine's lock: a callback may
+ * submit): what waited for its dispatch runs. Nothing can have where its `later` is still empty and no thread is
+ * between its look at the op and its adding to `later` (under ops._later_lock): the GIL is held from this look on.
+ * 0, or -1. */
+static int handed_over(PyObject *engine, PyObject *op) {
+  PyObject *later = SLOT(op, S_LATER);
+  if (later == Py_None) return 0;
+  if (PyTuple_CheckExact(later) && PyTuple_GET_SIZE(later) == 0) {
+    PyObject *busy = PyObject_CallNoArgs(g_later_locked);
+    if (!busy) return -1;
+    Py_DECREF(busy);
+    if (busy == Py_False) {
+      set_slot(op, S_LATER, Py_None);
+      return 0;
+    }
+  }
+  PyObject *r = PyObject_CallFunctionObjArgs(g_handed_over, engine, op, NULL);
+  Py_XDECREF(r);
+  return r ? 0 : -1;
+}
+
+/* Op.drop_unsubmitted for `op`, held for `engine`, whose submission fails with the error set (kept): what found it
+ * meanwhile sees it failed. */
+static void drop_unsubmitted(PyObject *op, PyObject *engine) {
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
+  PyErr_NormalizeException(&type, &value, &traceback);
+  PyObject *r = value ? PyObject_CallMethodObjArgs(op, s_drop_unsubmitted, engine, value, NULL) : NULL;
+  if (!r && value) PyErr_WriteUnraisable(op);
+  Py_XDECREF(r);
+  PyErr_Restore(type, value, traceback);
+}
+
 /* BaseDevice._submit for the op of `body` (one command) bound for `engine`, through `window` (a Scheduler, or
  * None): the op, handed to its queue here or by dispatch_when_ready, or None (new reference) where Python must
  * take it. */
@@ -1648,7 +1691,7 @@ static PyObject *do_submit(PyObject *engine, PyObject *name, PyObject *body, PyO
     Py_DECREF(r);
     Py_RETURN_NONE;
   }
-  PyObject *op = new_op(name, keep, result);
+  PyObject *op = new_op(engine, name, keep, result);
   if (!op) return NULL;
   PyObject *deps = PyList_New(0), *inputs = PyList_New(0), *gate = Py_None;
   uint64_t gate_address = 0;
@@ -1663,10 +1706,16 @@ static PyObject *do_submit(PyObject *engine, PyObject *name, PyObject *body, PyO
     gate_address = (uint64_t)(uintptr_t)view.buf;
     PyBuffer_Release(&view);
   }
-  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(reads); i++)
-    if (log_access(PyTuple_GET_ITEM(reads, i), 0, 1, op, engine, deps, inputs)) goto fail;
-  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(writes); i++)
-    if (log_access(PyTuple_GET_ITEM(writes, i), 1, 0, op, engine, deps, inputs)) goto fail;
+  /* its accesses and its place in the window at once (hazards.hold_logs), in the order other threads' ops find
+   * one another: none in a window then waits for one queued behind it */
+  if (lock_take(g_logs_lock)) goto fail;
+  int admitted = 1, logged = 0;
+  for (Py_ssize_t i = 0; !logged && i < PyTuple_GET_SIZE(reads); i++)
+    logged = log_access(PyTuple_GET_ITEM(reads, i), 0, 1, op, engine, deps, inputs);
+  for (Py_ssize_t i = 0; !logged && i < PyTuple_GET_SIZE(writes); i++)
+    logged = log_access(PyTuple_GET_ITEM(writes, i), 1, 0, op, engine, deps, inputs);
+  if (!logged && window != Py_None && (admitted = window_admit(window, op)) < 0) logged = -1;
+  if (lock_give(g_logs_lock, logged)) goto fail;
   Py_ssize_t ni = PyList_GET_SIZE(inputs);
   if (ni) {
     int same = PyList_GET_SIZE(deps) == ni; /* one list for both where they agree (a copy-out), as in Python */
@@ -1674,8 +1723,6 @@ static PyObject *do_submit(PyObject *engine, PyObject *name, PyObject *body, PyO
     set_slot(op, S_INPUTS, same ? deps : inputs);
     if (protect(inputs, gate)) goto fail;
   }
-  int admitted = 1;
-  if (window != Py_None && (admitted = window_admit(window, op)) < 0) goto fail;
   int pushed = 0;
   if (admitted) {
     if (engine_take(engine, 0)) goto fail;
@@ -1699,11 +1746,14 @@ static PyObject *do_submit(PyObject *engine, PyObject *name, PyObject *body, PyO
                                         admitted ? Py_None : window);
     if (!r) goto fail;
     Py_DECREF(r);
+  } else if (op_value(op) != g_held && handed_over(engine, op)) { /* handed to its queue here */
+    goto fail;
   }
   Py_DECREF(deps);
   Py_DECREF(inputs);
   return op;
 fail:
+  drop_unsubmitted(op, engine);
   Py_XDECREF(deps);
   Py_XDECREF(inputs);
   Py_DECREF(op);
@@ -2248,20 +2298,27 @@ static PyObject *init(PyObject *self, PyObject *args) {
   (void)self;
   PyObject *op_type, *native_type, *entry_type, *nothing, *native_copies, *op_ids, *wait_kind;
   PyObject *buffer_type, *recorder, *dispatch, *zeroed, *typed, *new_cells, *name_id, *record_deps_fn, *later_lock;
+  PyObject *handed_over_fn, *logs_lock;
   unsigned long long submit_address, held, abandoned, pend_new, pend_on_sig, pend_on_pend, pend_go;
   Py_ssize_t cells;
-  if (!PyArg_ParseTuple(args, "KKKKKKKnOOOOOOOOOOOOOOOO", &submit_address, &pend_new, &pend_on_sig, &pend_on_pend,
-                        &pend_go, &held, &abandoned, &cells, &op_type, &native_type, &entry_type, &nothing,
-                        &native_copies, &op_ids, &wait_kind, &buffer_type, &recorder, &dispatch, &zeroed,
-                        &typed, &new_cells, &name_id, &record_deps_fn, &later_lock))
+  if (!PyArg_ParseTuple(args, "KKKKKKKnOOOOOOOOOOOOOOOOOO!", &submit_address, &pend_new, &pend_on_sig,
+                        &pend_on_pend, &pend_go, &held, &abandoned, &cells, &op_type, &native_type, &entry_type,
+                        &nothing, &native_copies, &op_ids, &wait_kind, &buffer_type, &recorder, &dispatch, &zeroed,
+                        &typed, &new_cells, &name_id, &record_deps_fn, &later_lock, &handed_over_fn, &lock_type,
+                        &logs_lock))
     return NULL;
-  if (!PyCallable_Check(name_id) || !PyCallable_Check(record_deps_fn)) {
-    PyErr_SetString(PyExc_TypeError, "init: the profile's name numbering and flow recording functions expected");
+  if (!PyCallable_Check(name_id) || !PyCallable_Check(record_deps_fn) || !PyCallable_Check(handed_over_fn)) {
+    PyErr_SetString(PyExc_TypeError,
+                    "init: the profile's name numbering and flow recording functions, and handed_over expected");
     return NULL;
   }
   g_later_acquire = PyObject_GetAttr(later_lock, s_acquire);
   g_later_release = g_later_acquire ? PyObject_GetAttr(later_lock, s_release) : NULL;
-  if (!g_later_release) return NULL;
+  g_later_locked = g_later_release ? PyObject_GetAttr(later_lock, s_locked) : NULL;
+  g_held_value = g_later_locked ? PyLong_FromUnsignedLongLong(held) : NULL;
+  if (!g_held_value) return NULL;
+  g_handed_over = Py_NewRef(handed_over_fn);
+  g_logs_lock = Py_NewRef(logs_lock);
   g_name_id = Py_NewRef(name_id);
   g_record_deps = Py_NewRef(record_deps_fn);
   if (!pend_new || !pend_on_sig || !pend_on_pend || !pend_go || cells < 1 || !PyCallable_Check(new_cells)) {
@@ -2298,9 +2355,12 @@ static PyObject *init(PyObject *self, PyObject *args) {
   Py_RETURN_NONE;
 }
 
-/* accesses(buffers, accesses, ops, deps, inputs): for each (engine, index, writes, consumes) of `accesses`,
+/* accesses(buffers, accesses, ops, deps, inputs), under hazards.hold_logs' lock: for each (engine, index, writes,
+ * consumes) of `accesses`,
  * AccessLog.access of all of buffers[index] by ops[engine], bound for engine, adding to deps[engine] and
  * inputs[engine] (dicts of lists), as a graph replay records its accesses; None. */
+static int record_accesses(PyObject *bufs, PyObject *list, PyObject *ops, PyObject *all_deps, PyObject *all_inputs);
+
 static PyObject *accesses(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   (void)self;
   if (nargs != 5 || !PyList_Check(args[0]) || !PyList_Check(args[1]) || !PyDict_Check(args[2]) ||
@@ -2308,36 +2368,41 @@ static PyObject *accesses(PyObject *self, PyObject *const *args, Py_ssize_t narg
     PyErr_SetString(PyExc_TypeError, "accesses(list of buffers, list of accesses, ops, deps, inputs: dicts)");
     return NULL;
   }
-  PyObject *bufs = args[0], *list = args[1];
+  if (record_accesses(args[0], args[1], args[2], args[3], args[4])) return NULL;
+  Py_RETURN_NONE;
+}
+
+/* accesses' loop: 0, or -1. */
+static int record_accesses(PyObject *bufs, PyObject *list, PyObject *ops, PyObject *all_deps, PyObject *all_inputs) {
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
     PyObject *a = PyList_GET_ITEM(list, i);
     if (!PyTuple_Check(a) || PyTuple_GET_SIZE(a) != 4) {
       PyErr_Format(PyExc_TypeError, "accesses: %R is not (engine, index, writes, consumes)", a);
-      return NULL;
+      return -1;
     }
     PyObject *engine = PyTuple_GET_ITEM(a, 0);
     Py_ssize_t index = PyLong_AsSsize_t(PyTuple_GET_ITEM(a, 1));
-    if (index == -1 && PyErr_Occurred()) return NULL;
+    if (index == -1 && PyErr_Occurred()) return -1;
     if (index < 0 || index >= PyList_GET_SIZE(bufs)) {
       PyErr_Format(PyExc_IndexError, "accesses: buffer index %zd of %zd", index, PyList_GET_SIZE(bufs));
-      return NULL;
+      return -1;
     }
     int write = PyObject_IsTrue(PyTuple_GET_ITEM(a, 2)), consumes = PyObject_IsTrue(PyTuple_GET_ITEM(a, 3));
-    if (write < 0 || consumes < 0) return NULL;
-    PyObject *op = PyDict_GetItemWithError(args[2], engine);
-    PyObject *deps = op ? PyDict_GetItemWithError(args[3], engine) : NULL;
-    PyObject *inputs = deps ? PyDict_GetItemWithError(args[4], engine) : NULL;
+    if (write < 0 || consumes < 0) return -1;
+    PyObject *op = PyDict_GetItemWithError(ops, engine);
+    PyObject *deps = op ? PyDict_GetItemWithError(all_deps, engine) : NULL;
+    PyObject *inputs = deps ? PyDict_GetItemWithError(all_inputs, engine) : NULL;
     if (!inputs) {
       if (!PyErr_Occurred()) PyErr_Format(PyExc_KeyError, "accesses: no op, deps or inputs for %R", engine);
-      return NULL;
+      return -1;
     }
     if (!is_op(op, "accesses' ops") || !PyList_Check(deps) || !PyList_Check(inputs)) {
       if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "accesses: deps and inputs must hold lists");
-      return NULL;
+      return -1;
     }
-    if (log_access(PyList_GET_ITEM(bufs, index), write, consumes, op, engine, deps, inputs)) return NULL;
+    if (log_access(PyList_GET_ITEM(bufs, index), write, consumes, op, engine, deps, inputs)) return -1;
   }
-  Py_RETURN_NONE;
+  return 0;
 }
 
 /* One hole of put_copies (see there) put into `body`, patching `recs` (`nrecs` records, or none): 1, 0 where the
@@ -2535,7 +2600,8 @@ PyMODINIT_FUNC PyInit__submit(void) {
       {&s_retire_python, "_retire"}, {&s_cell_at, "_cell_at"}, {&s_cells, "_cells"}, {&s_cells_pin, "_cells_pin"}, {&s_held, "held"},
       {&s_request_var, "_request_var"}, {&s_own_gate, "_own_gate"}, {&s_waiting, "_waiting"}, {&s_window, "_window"},
       {&s_sched_open, "_open"}, {&s_queued, "_queued"}, {&s_queue, "_queue"}, {&s_priority, "priority"},
-      {&s_fast, "fast"},
+      {&s_fast, "fast"},        {&s_locked, "locked"},     {&s_drop_unsubmitted, "drop_unsubmitted"},
+      {&s_resolve_when_handed_on, "resolve_when_handed_on"},
   };
   for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
     *names[i].where = PyUnicode_InternFromString(names[i].text);

@@ -86,20 +86,22 @@ class _ExtensionCompiler(Compiler):
 def _build(lib: ctypes.CDLL, native_type: type, new_cells: Callable[[], Sized], name_id: Callable[[str], int]) -> Fast:
     from aruntime.engine.dispatch import _record_deps, dispatch_when_ready
     from aruntime.engine.kernel import _NATIVE_COPIES, _NOTHING, Entry
-    from aruntime.engine.ops import ABANDONED, HELD, WAIT, Op, _later_lock
+    from aruntime.engine.ops import ABANDONED, HELD, WAIT, Op, _later_lock, handed_over
     from aruntime.events import op_ids, recorder
-    from aruntime.memory import Buffer, dlpack, typed, zeroed
+    from aruntime.memory import Buffer, dlpack, hazards, typed, zeroed
 
     src = resources.files(__package__).joinpath("submit.c").read_text()
     name = f"{__package__}._submit"
     module = _ExtensionCompiler().compile_cached(src, load=lambda binary: cc.load_module(binary, name))
     functions = (lib.ar_submit, lib.ar_pend_new, lib.ar_pend_on_sig, lib.ar_pend_on_pend, lib.ar_pend_go)
     addresses = (ctypes.cast(f, ctypes.c_void_p).value for f in functions)
+    logs_lock = module.Lock()
     module.init(
         *addresses, HELD, ABANDONED, len(new_cells()), Op, native_type, Entry, _NOTHING, _NATIVE_COPIES, op_ids,
         WAIT, Buffer, recorder, dispatch_when_ready, zeroed, typed, new_cells, name_id,
-        _record_deps, _later_lock,
+        _record_deps, _later_lock, handed_over, logs_lock,
     )  # fmt: skip
+    hazards.use_lock(logs_lock)  # the C path takes it without a call
     dlpack.use_capsule_destructor(module.capsule_destructor)
     return module
 
