@@ -37,7 +37,7 @@ from aruntime.engine.ops import protect
 from aruntime.errors import BufferUsageError, DeviceError, SignalTimeout
 from aruntime.events import GraphEntry, GraphEvent, recorder
 from aruntime.helpers import after_all
-from aruntime.memory import Buffer, hold_logs, pin, typed, zeroed
+from aruntime.memory import Buffer, logs_held, pin, typed, zeroed
 
 _graph_ids = itertools.count(1)
 
@@ -550,8 +550,7 @@ class Graph:
         inputs: dict[Engine, list[Op]] = {e: [] for e in engines}
         fast = engines[0].fast
         parts = list(ops.values())
-        lock = hold_logs()  # the parts' accesses, and their place in the window, at once
-        try:
+        with logs_held():  # the parts' accesses, and their place in the window, at once
             if fast is not None:  # the same, in C (see aruntime.engine.native.submit)
                 fast.accesses(bufs, plan.accesses, ops, deps, inputs)
             for engine, i, write, uses in () if fast is not None else plan.accesses:
@@ -560,8 +559,6 @@ class Graph:
                     b.offset, b.offset + b.nbytes, write, uses, ops[engine], engine, deps[engine], inputs[engine]
                 )
             admitted = window is None or window._admit(parts)
-        finally:
-            lock.release()
         mine = set(ops.values()) if len(engines) > 1 else ()  # an op is never among its own dependencies
         for engine in engines:
             op = ops[engine]

@@ -52,12 +52,33 @@ _pumping = threading.local()
 class _Queued:
     """Ops a scheduler's window refused, queued in order until it admits them; ``go`` hands them on once it has."""
 
-    __slots__ = ("admitted", "go", "ops")
+    __slots__ = ("admitted", "dropped", "go", "ops")
 
     def __init__(self, ops: Sequence[Op]) -> None:
         self.ops = ops
         self.go: Callable[[], None] | None = None  # given by _queue_for_room
         self.admitted = False
+        self.dropped = False  # by Scheduler._drop_queued
+
+
+def _drop(ops: Sequence[Op]) -> None:
+    """Fail ops queued for a scheduler's window that closed: they will not be handed to their engines.
+
+    Each one fails only once the ops it depends on are done: the hazard logs forget an access that a newer one
+    covers and is ordered after, so a dropped op counting as done earlier would let its buffer's memory go while an
+    older op still uses it."""
+    for op in ops:
+        assert op.engine is not None  # held for its engine
+        op.observed = True
+        error = OpError(f"{op.name} was dropped: its scheduler closed before it was admitted")
+        fail = functools.partial(op.abandon, op.engine, error)
+        pending = [dep for dep in op.deps if not dep.done()]
+        if not pending:
+            fail()
+            continue
+        one_done = after_all(len(pending), fail)
+        for dep in pending:
+            dep.when_done(one_done)
 
 
 class Scheduler:
@@ -251,7 +272,7 @@ class Scheduler:
     def _admit(self, ops: Sequence[Op]) -> bool:
         """Admit ``ops`` into the window now if it has room and nothing is queued (True), else queue them (False:
         :meth:`_queue_for_room` then says what hands them on). Called by the device for each op it tracks for this
-        scheduler, under :func:`~aruntime.memory.hazards.hold_logs`'s lock with the op's accesses: ops are
+        scheduler, under :func:`~aruntime.memory.hazards.logs_held`'s lock with the op's accesses: ops are
         admitted in the order they found one another in, also from several threads, so that no op in the window
         waits for one still queued behind it."""
         with self._lock:
@@ -273,12 +294,15 @@ class Scheduler:
         (now, if they were meanwhile)."""
         with self._lock:
             entry = self._reserved.pop(id(ops[0]), None)
-            admitted = entry is not None and entry.admitted
-            if entry is not None and not admitted:
+            if entry is None:
+                raise RuntimeError(f"{ops[0].name}: not queued for room by this scheduler")
+            if not entry.admitted:
                 entry.go = go
-        if admitted:
+        if entry.admitted:
             go()
-        elif entry is not None:  # else dropped: its ops have failed
+        elif entry.dropped:  # while it was being submitted: its dependencies are known now
+            _drop(ops)
+        else:
             self._pump()
 
     def _pump(self) -> Op | None:
@@ -335,29 +359,15 @@ class Scheduler:
         self._pump()
 
     def _drop_queued(self) -> None:
-        """Fail every queued op: it will not be handed to its engine.
-
-        Each one fails only once the ops it depends on are done: the hazard logs
-        forget an access that a newer one covers and is ordered after, so a
-        dropped op counting as done earlier would let its buffer's memory go
-        while an older op still uses it."""
+        """Fail every queued op once the ops it depends on are done (see :func:`_drop`)."""
         with self._lock:
             dropped, self._waiting = self._waiting, deque()
             self._queued = 0
-            self._reserved.clear()
+            for entry in dropped:
+                entry.dropped = True  # one still being submitted (no go yet): _queue_for_room drops it
         for entry in dropped:
-            for op in entry.ops:
-                assert op.engine is not None  # held for its engine
-                op.observed = True
-                error = OpError(f"{op.name} was dropped: its scheduler closed before it was admitted")
-                fail = functools.partial(op.abandon, op.engine, error)
-                pending = [dep for dep in op.deps if not dep.done()]
-                if not pending:
-                    fail()
-                    continue
-                one_done = after_all(len(pending), fail)
-                for dep in pending:
-                    dep.when_done(one_done)
+            if entry.go is not None:
+                _drop(entry.ops)
 
     def _check_open(self) -> None:
         if not self._open:

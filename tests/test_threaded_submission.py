@@ -4,20 +4,23 @@
 An op is bound to its queue, held, before another thread can find it in a buffer's hazard log or in a window, and
 one op's accesses are recorded all at once: every op runs, in an order each thread's own submissions keep, and no
 thread's submission fails because of another's. A long chain of held ops handed on together runs its callbacks
-one after another, not nested.
+one after another, not nested, and never inside another thread's submission.
 """
 
 from __future__ import annotations
 
 import array
+import ctypes
 import threading
+import time
 from collections.abc import Callable
 
 import anyio
 import pytest
 
 from aruntime import BaseDevice, Device, Op, Scheduler, dtypes, transfer
-from tests.kernels import INC, on_path
+from aruntime.engine import dispatch
+from tests.kernels import ACCUMULATE, INC, SPINS, closed_gate, on_path
 
 pytestmark = pytest.mark.anyio
 
@@ -112,3 +115,85 @@ async def test_a_scheduler_shared_by_several_threads_admits_every_op(path: str) 
         await dev.synchronize()
         for b in (*bufs, shared):
             await dev.free(b)
+
+
+@pytest.mark.parametrize("path", PATHS)
+async def test_a_callback_that_submits_never_runs_inside_another_submission(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A held op X, found by kernel B before X was pended in the native core, has B's dispatch waiting on it; B has
+    a ``when_dispatched`` callback that launches. The core hands X on while the callback thread is busy, and
+    another thread's launch D then finds X handed on in a hazard log, inside its own submission (under the logs'
+    or its engine's lock). D's submission must not run B's callback there (the callback's launch would wait for
+    the lock its own thread holds): D returns, and the callback's launch runs once the callback thread is free.
+
+    X is paused between being held and being pended, where any thread may be preempted, so that B finds it held."""
+    dev, other = _devices(path)
+    big = 2 << 20  # bytes: over inline_copy_max, each transfer goes on a copy queue
+    gate, flag = await closed_gate(other)
+    accumulate = await dev.compile(ACCUMULATE, outs=(0,))
+    inc = await dev.compile(INC, outs=(0,))
+    gated = await other.allocate(big // 4, dtypes.int32)  # the gate writes it; P copies it
+    await other.copyin(gated, bytes(big))
+    a, a2, e = [await dev.allocate(big // 4, dtypes.int32) for _ in range(3)]
+    small = await dev.allocate(N, dtypes.int32)
+    await dev.copyin(small, bytes(4 * N))
+    x_paused, x_go, callbacks_free = threading.Event(), threading.Event(), threading.Event()
+    box: dict[str, Op] = {}
+    real_pend = dispatch._pend
+
+    def pend(*args: object) -> None:
+        if "P" in box and args[2] is not box["P"] and not x_paused.is_set():
+            x_paused.set()
+            assert x_go.wait(10)
+        real_pend(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(dispatch, "_pend", pend)
+    made: list[Op] = []
+    ops: list[Op] = []
+    try:
+        with anyio.fail_after(60):
+            async with Scheduler() as sched:
+
+                def scenario() -> None:  # a thread outside any loop: callbacks go to the callback thread
+                    g = other.launch(gate, gated, vals=(flag.handle, SPINS))
+                    g.when_done(lambda: callbacks_free.wait(20))  # keeps the callback thread busy once G is done
+                    p = box["P"] = sched.transfer(a, gated)  # pended in the core: waits for G
+                    ops.extend((g, p))
+                    t = threading.Thread(target=lambda: box.setdefault("X", transfer(a2, a)))
+                    t.start()
+                    assert x_paused.wait(10)
+                    b = dev.launch(accumulate, e, a2, vals=(big,))  # finds X held, not yet pended
+                    b.when_dispatched(lambda: made.append(dev.launch(inc, small, vals=(N,))))
+                    x_go.set()
+                    t.join(10)
+                    x = box["X"]
+                    ops.extend((x, b))
+                    assert x.cell is not None and x.later  # pended in the core, B waiting for its hand-on
+                    ctypes.c_int32.from_address(flag.handle).value = 1  # open the gate
+                    deadline = time.monotonic() + 10
+                    while not x.cell[x.at]:  # the core hands X on once P is done
+                        assert time.monotonic() < deadline
+                        time.sleep(0.001)
+                    d = threading.Thread(target=lambda: ops.append(dev.launch(inc, a2, vals=(big // 4,))), daemon=True)
+                    d.start()  # D: finds X handed on in a2's hazard log
+                    d.join(10)
+                    assert not d.is_alive(), "D's launch never returned: a callback ran inside its submission"
+                    callbacks_free.set()
+
+                await anyio.to_thread.run_sync(scenario)
+                await sched.drain()
+            for op in ops:
+                await op
+            while not made:  # the callback thread runs B's callback  # noqa: ASYNC110
+                await anyio.sleep(0.001)
+            await made[0]
+        assert set(array.array("i", await dev.copyout(small))) == {1}
+    finally:
+        x_go.set()
+        callbacks_free.set()
+        await dev.synchronize()
+        await other.synchronize()
+        await other.free(gated)
+        for buf in (a, a2, e, small):
+            await dev.free(buf)

@@ -39,7 +39,7 @@ from aruntime.engine import (
 from aruntime.engine.ops import check_priority, protect
 from aruntime.errors import BufferUsageError, DeviceError
 from aruntime.helpers import check_seconds, checkpoint, getenv, is_index
-from aruntime.memory import Allocator, Buffer, BufferScope, BufferSpec, hold_logs, pin, typed, zeroed
+from aruntime.memory import Allocator, Buffer, BufferScope, BufferSpec, logs_held, pin, typed, zeroed
 
 
 class BaseDevice(Closing, ProfileHooks):
@@ -337,15 +337,12 @@ class BaseDevice(Closing, ProfileHooks):
             inputs: list[Op] = []
             admitted = True
             if reads or writes or window is not None:
-                lock = hold_logs()  # its accesses, and its place in the window, at once
-                try:
+                with logs_held():  # its accesses, and its place in the window, at once
                     for buf in reads:
                         buf.log.access(buf.offset, buf.offset + buf.nbytes, False, True, op, engine, deps, inputs)
                     for buf in writes:
                         buf.log.access(buf.offset, buf.offset + buf.nbytes, True, False, op, engine, deps, inputs)
                     admitted = window is None or window._admit((op,))
-                finally:
-                    lock.release()
             if inputs:
                 op.inputs = deps if inputs == deps else inputs  # one list for both where they agree (a copy-out)
                 protect(inputs, gate)

@@ -39,6 +39,7 @@ from aruntime.errors import (
 )
 from aruntime.events import RangeLog, op_ids, recorder
 from aruntime.helpers import checkpoint, getenv
+from aruntime.memory.hazards import in_submission
 
 HELD = 1 << 62
 """The ``value`` of an op that is held: bound for an engine, not yet handed to it."""
@@ -258,7 +259,7 @@ class Op:
         value (or abandon it, if its engine had stopped) and run what waited for its dispatch."""
         assert self.cell is not None and self.engine is not None
         value = self.cell[self.at]
-        if not value:
+        if not value or (self.later and in_submission()):  # what waits for it runs outside submissions
             return False
         engine = self.engine
         if value == ABANDONED:
@@ -268,6 +269,8 @@ class Op:
         with _later_lock:
             if self._value != HELD:  # another thread took it
                 return True
+            if self.later and in_submission():  # added meanwhile (a _when that found no cell yet)
+                return False
             self._value = value
             later, self.later = self.later, None
         engine.held.discard(self)

@@ -14,7 +14,7 @@ from aruntime.memory.allocator import (
     host_view,
 )
 from aruntime.memory.buffer import Buffer, BufferScope, from_dlpack, open_devices_with, typed, zeroed
-from aruntime.memory.hazards import AccessLog, hold_logs
+from aruntime.memory.hazards import AccessLog, logs_held
 from aruntime.memory.pinning import Pin, pin, refuse_pointers
 
 __all__ = [
@@ -30,8 +30,8 @@ __all__ = [
     "Mappings",
     "Pin",
     "from_dlpack",
-    "hold_logs",
     "host_view",
+    "logs_held",
     "open_devices_with",
     "pin",
     "refuse_pointers",

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -17,26 +18,45 @@ class _Lock(AbstractContextManager[bool], Protocol):
 
 
 _logs_lock: _Lock = threading.Lock()
-"""What every op's accesses are recorded under (see :func:`hold_logs`); the C submission path's own lock once
+"""What every op's accesses are recorded under (see :func:`logs_held`); the C submission path's own lock once
 it is built (:func:`use_lock`)."""
+_here = threading.local()  # .held: this thread holds the Python lock above
+_native_held: Callable[[], bool] | None = None  # the C module's held_here(), once it is used
 
 
-def hold_logs() -> _Lock:
-    """Take the lock under which an op records its accesses, all of them at once, and return it (the caller lets
-    it go). Two ops on the same buffers then find each other in one order: recorded piecemeal, from two threads,
-    each could find the other on a different buffer and wait for it, a cycle that never ends."""
+@contextmanager
+def logs_held() -> Iterator[None]:
+    """Hold the lock under which an op records its accesses, all of them at once (and takes its place in a
+    scheduler's window). Two ops on the same buffers then find each other in one order: recorded piecemeal, from
+    two threads, each could find the other on a different buffer and wait for it, a cycle that never ends."""
     while True:
         lock = _logs_lock
         lock.acquire()
         if lock is _logs_lock:
-            return lock
+            break
         lock.release()  # replaced meanwhile: take the one in use
+    _here.held = True
+    try:
+        yield
+    finally:
+        _here.held = False
+        lock.release()
 
 
-def use_lock(lock: _Lock) -> None:
-    """From now on record accesses under ``lock`` (the C submission path's own, which it takes without a call)."""
-    global _logs_lock
+def in_submission() -> bool:
+    """Whether the calling thread is submitting: holds :func:`logs_held`'s lock, or an engine's lock of the C
+    submission path. What waits for a held op's hand-on does not run there (it may submit, and take those locks
+    again): an op the native core has handed on is then taken by whoever looks at it next, or by the core's
+    hand-on callback."""
+    return bool(getattr(_here, "held", False)) or (_native_held is not None and _native_held())
+
+
+def use_lock(lock: _Lock, held_here: Callable[[], bool]) -> None:
+    """From now on record accesses under ``lock`` (the C submission path's own, which it takes without a call);
+    ``held_here()`` says whether the calling thread holds any lock of that path."""
+    global _logs_lock, _native_held
     with _logs_lock:
+        _native_held = held_here
         _logs_lock = lock
 
 
@@ -76,7 +96,7 @@ class AccessLog:
         deps: list[Op],
         inputs: list[Op],
     ) -> None:
-        """Record that ``op``, bound for ``engine``, accesses [start, end), holding :func:`hold_logs`'s lock.
+        """Record that ``op``, bound for ``engine``, accesses [start, end), holding :func:`logs_held`'s lock.
 
         Adds the ops it must be ordered after to ``deps``, and, when it
         ``consumes`` the bytes (reads them), the ops that write them to ``inputs``.
@@ -111,11 +131,8 @@ class AccessLog:
         """The ops still in flight on this buffer."""
         if not self.entries:
             return []
-        lock = hold_logs()
-        try:
+        with logs_held():
             self.entries = entries = [e for e in self.entries if _matters(e[2], e[3])]
-        finally:
-            lock.release()
         return [e[3] for e in entries if not e[3].done()]
 
 

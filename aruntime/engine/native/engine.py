@@ -450,6 +450,7 @@ class NativeEngine(Engine):
             pend = lib.ar_pend_new(self.address, records, count, _cell_address(op))
             if not pend:
                 self._python.pop(op.id, None)
+                op.cell = None  # not pending in the core: a failed submission drops it (Op.drop_unsubmitted)
                 raise MemoryError(f"{op.name}: no memory for the commands of {self.signal.name}")
             op._pend = pend
             op.hold(self)

@@ -65,7 +65,7 @@ static PyObject *g_recorder, *g_dispatch, *g_zeroed, *g_typed, *g_new_cells, *g_
 static PyObject *g_later_acquire, *g_later_release, *g_later_locked; /* the methods of the lock ops.py takes to
                                                                         * hand a held op on */
 static PyObject *g_handed_over, *g_held_value; /* ops.handed_over; HELD as an int */
-static PyObject *g_logs_lock; /* this module's Lock that every op records its accesses under (hazards.hold_logs) */
+static PyObject *g_logs_lock; /* this module's Lock that every op records its accesses under (hazards.logs_held) */
 
 /* offsets of the Op's slots */
 enum { S_AT, S_CELL, S_CMDS, S_DEPS, S_ENGINE, S_ERROR, S_GATE, S_ID, S_INPUTS, S_KEEP, S_LATER, S_NAME,
@@ -309,6 +309,9 @@ typedef struct {
   char locked;
 } lock_object;
 
+/* how many of this module's Locks the calling thread holds (held_here) */
+static _Thread_local int t_held;
+
 static PyTypeObject lock_type;
 
 /* Take `lock`, a Lock of this module: 0, or -1 (a signal handler raised while it waited). One that is busy is waited
@@ -325,6 +328,7 @@ static int lock_take(PyObject *lock) {
     } while (got != PY_LOCK_ACQUIRED);
   }
   l->locked = 1;
+  t_held++;
   return 0;
 }
 
@@ -337,6 +341,7 @@ static int lock_give(PyObject *lock, int rc) {
     return -1;
   }
   l->locked = 0;
+  t_held--;
   PyThread_release_lock(l->lock);
   return rc;
 }
@@ -1363,6 +1368,7 @@ static int pend_op(PyObject *engine, PyObject *op, PyObject *body, PyObject *dep
 unlock:
   rc = engine_give(engine, 0, rc);
   if (rc < 0 && kept) unregister(engine, op);
+  if (rc < 0 && !pend) set_slot(op, S_CELL, Py_None); /* not pending: a failed submission drops it */
   Py_XDECREF(at_obj);
   Py_XDECREF(cells);
   Py_XDECREF(pin);
@@ -1706,7 +1712,7 @@ static PyObject *do_submit(PyObject *engine, PyObject *name, PyObject *body, PyO
     gate_address = (uint64_t)(uintptr_t)view.buf;
     PyBuffer_Release(&view);
   }
-  /* its accesses and its place in the window at once (hazards.hold_logs), in the order other threads' ops find
+  /* its accesses and its place in the window at once (hazards.logs_held), in the order other threads' ops find
    * one another: none in a window then waits for one queued behind it */
   if (lock_take(g_logs_lock)) goto fail;
   int admitted = 1, logged = 0;
@@ -2355,7 +2361,7 @@ static PyObject *init(PyObject *self, PyObject *args) {
   Py_RETURN_NONE;
 }
 
-/* accesses(buffers, accesses, ops, deps, inputs), under hazards.hold_logs' lock: for each (engine, index, writes,
+/* accesses(buffers, accesses, ops, deps, inputs), under hazards.logs_held: for each (engine, index, writes,
  * consumes) of `accesses`,
  * AccessLog.access of all of buffers[index] by ops[engine], bound for engine, adding to deps[engine] and
  * inputs[engine] (dicts of lists), as a graph replay records its accesses; None. */
@@ -2544,7 +2550,15 @@ static PyObject *capsule_destructor(PyObject *self, PyObject *delete) {
   return PyLong_FromVoidPtr((void *)capsule_gone);
 }
 
+/* held_here(): whether the calling thread holds a Lock of this module (taken and let go of on one thread). */
+static PyObject *held_here(PyObject *self, PyObject *unused) {
+  (void)self;
+  (void)unused;
+  return PyBool_FromLong(t_held > 0);
+}
+
 static PyMethodDef methods[] = {
+    {"held_here", held_here, METH_NOARGS, "held_here(): whether the calling thread holds a Lock of this module"},
     {"put_copies", (PyCFunction)(void (*)(void))put_copies, METH_FASTCALL,
      "put_copies(body, holes, start, inputs, keep, results): a graph replay's host copies put, up to the index returned"},
     {"accesses", (PyCFunction)(void (*)(void))accesses, METH_FASTCALL,

@@ -101,7 +101,7 @@ def _build(lib: ctypes.CDLL, native_type: type, new_cells: Callable[[], Sized], 
         WAIT, Buffer, recorder, dispatch_when_ready, zeroed, typed, new_cells, name_id,
         _record_deps, _later_lock, handed_over, logs_lock,
     )  # fmt: skip
-    hazards.use_lock(logs_lock)  # the C path takes it without a call
+    hazards.use_lock(logs_lock, module.held_here)  # the C path takes it without a call
     dlpack.use_capsule_destructor(module.capsule_destructor)
     return module
 
