@@ -92,7 +92,7 @@ def is_index(arg: str) -> bool:
     return arg == "" or (arg.isdecimal() and arg.isascii())
 
 
-def after_all(count: int, callback: Callable[[], None]) -> Callable[[], None]:
+def after_all(count: int, callback: Callable[[], object]) -> Callable[[], None]:
     """A function that calls ``callback`` on its ``count``-th call, from whichever thread makes it."""
     left = [count]
     lock = threading.Lock()

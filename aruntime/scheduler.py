@@ -296,11 +296,12 @@ class Scheduler:
             entry = self._reserved.pop(id(ops[0]), None)
             if entry is None:
                 raise RuntimeError(f"{ops[0].name}: not queued for room by this scheduler")
-            if not entry.admitted:
+            admitted, dropped = entry.admitted, entry.dropped  # decided here: _drop_queued reads go under the lock
+            if not admitted and not dropped:
                 entry.go = go
-        if entry.admitted:
+        if admitted:
             go()
-        elif entry.dropped:  # while it was being submitted: its dependencies are known now
+        elif dropped:  # while it was being submitted: its dependencies are known now
             _drop(ops)
         else:
             self._pump()
@@ -365,9 +366,9 @@ class Scheduler:
             self._queued = 0
             for entry in dropped:
                 entry.dropped = True  # one still being submitted (no go yet): _queue_for_room drops it
-        for entry in dropped:
-            if entry.go is not None:
-                _drop(entry.ops)
+            submitted = [entry.ops for entry in dropped if entry.go is not None]
+        for ops in submitted:
+            _drop(ops)
 
     def _check_open(self) -> None:
         if not self._open:

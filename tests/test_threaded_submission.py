@@ -14,6 +14,7 @@ import ctypes
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 import pytest
@@ -196,4 +197,74 @@ async def test_a_callback_that_submits_never_runs_inside_another_submission(
         await other.synchronize()
         await other.free(gated)
         for buf in (a, a2, e, small):
+            await dev.free(buf)
+
+
+@pytest.mark.parametrize("look", ["launch", "when_done"])
+async def test_an_op_found_while_it_is_handed_to_the_core_is_waited_for(
+    look: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """X, a transfer that waits in the native core for a gated op, is paused on its way into the core (its pend
+    made, its cell not yet published: a point where any thread may be preempted). Another thread then finds X in
+    a hazard log and launches on another queue after it, or asks to be told when it is done: X is seen as held,
+    waited for off the core, and everything runs once the gate opens (a cell seen before its pend crashed here)."""
+    dev, other = _devices("python")  # the Python path runs Python between the pend and its cell
+    big = 2 << 20
+    gate, flag = await closed_gate(other)
+    accumulate = await dev.compile(ACCUMULATE, outs=(0,))
+    gated = await other.allocate(big // 4, dtypes.int32)
+    await other.copyin(gated, bytes(big))
+    a, a2, e = [await dev.allocate(big // 4, dtypes.int32) for _ in range(3)]
+    x_paused, x_go = threading.Event(), threading.Event()
+    mover: list[int] = []
+    real_hold = Op.hold
+
+    def hold(op: Op, engine: Any) -> None:
+        if threading.get_ident() in mover and op.pend and op.cell is None and not x_paused.is_set():
+            x_paused.set()
+            assert x_go.wait(10)
+        real_hold(op, engine)
+
+    monkeypatch.setattr(Op, "hold", hold)
+    ops: list[Op] = []
+    told = threading.Event()
+    try:
+        with anyio.fail_after(60):
+            async with Scheduler() as sched:
+
+                def scenario() -> None:
+                    ops.append(other.launch(gate, gated, vals=(flag.handle, SPINS)))
+                    ops.append(sched.transfer(a, gated))  # pended in the core: waits for the gate
+
+                    def move() -> None:
+                        mover.append(threading.get_ident())
+                        ops.append(transfer(a2, a))  # X: waits for the transfer, pended in the core
+
+                    t = threading.Thread(target=move)
+                    t.start()
+                    assert x_paused.wait(10)
+                    try:
+                        if look == "launch":
+                            ops.append(dev.launch(accumulate, e, a2, vals=(big,)))  # another queue, after X
+                        else:
+                            a2.log.entries[-1][3].when_done(told.set)
+                    finally:
+                        x_go.set()
+                        t.join(10)
+                    ctypes.c_int32.from_address(flag.handle).value = 1  # open the gate
+
+                await anyio.to_thread.run_sync(scenario)
+                await sched.drain()
+            for op in ops:
+                await op
+            if look == "when_done":
+                await anyio.to_thread.run_sync(told.wait, 10)
+                assert told.is_set()
+    finally:
+        x_go.set()
+        ctypes.c_int32.from_address(flag.handle).value = 1
+        await dev.synchronize()
+        await other.synchronize()
+        await other.free(gated)
+        for buf in (a, a2, e):
             await dev.free(buf)

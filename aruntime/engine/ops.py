@@ -263,9 +263,7 @@ class Op:
             return False
         engine = self.engine
         if value == ABANDONED:
-            if self._value == HELD:
-                self.abandon(engine, DeviceError(f"{self.name}: {engine.signal.name} is closed"))
-            return True
+            return self.abandon(engine, DeviceError(f"{self.name}: {engine.signal.name} is closed"), resolving=True)
         with _later_lock:
             if self._value != HELD:  # another thread took it
                 return True
@@ -304,10 +302,16 @@ class Op:
             self.observed = True
             self.abandon(engine, error)
 
-    def abandon(self, engine: Engine, error: BaseException) -> None:
+    def abandon(self, engine: Engine, error: BaseException, resolving: bool = False) -> bool:
         """Fail an op that can no longer be handed to ``engine`` (it was closed while the op was held): the op
-        counts as done, with ``error``, and whatever waited for its dispatch or its end runs now."""
+        counts as done, with ``error``, and whatever waited for its dispatch or its end runs now. Once: an op
+        another thread has abandoned or taken is left as it is. ``resolving`` (:meth:`_resolve`): nothing is done,
+        and False returned, where something waits and this thread is submitting (see :func:`in_submission`)."""
         with _later_lock:
+            if self._value != HELD:
+                return True
+            if resolving and self.later and in_submission():
+                return False
             later, self.later = self.later or (), None
             engine._fail(self, error)  # an OpError naming the op and queue, ``error`` its cause
             self.engine = engine
@@ -315,6 +319,7 @@ class Op:
         engine.held.discard(self)
         engine._note_failure(self)
         _run_later(engine, self, [(True, callback, None) for _, callback, _ in later])  # done: each one now
+        return True
 
     def _when(self, on_dispatch: bool, callback: Callable[[], None]) -> None:
         engine = self._submitted()

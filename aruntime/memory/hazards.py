@@ -17,10 +17,43 @@ class _Lock(AbstractContextManager[bool], Protocol):
     def release(self) -> None: ...
 
 
-_logs_lock: _Lock = threading.Lock()
+_here = threading.local()  # .held: how many SubmissionLocks this thread holds
+
+
+class SubmissionLock:
+    """A lock that ops are submitted under, where the C submission path's own ``Lock`` is not built (or not yet):
+    :func:`in_submission` counts the ones the calling thread holds. Taken and let go of on one thread."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def acquire(self) -> bool:
+        """Take the lock, waiting while another thread holds it; True."""
+        self._lock.acquire()
+        _here.held = getattr(_here, "held", 0) + 1
+        return True
+
+    def release(self) -> None:
+        """Let go of the lock (a RuntimeError if it is not held)."""
+        self._lock.release()
+        _here.held -= 1
+
+    def locked(self) -> bool:
+        """Whether the lock is held."""
+        return self._lock.locked()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+_logs_lock: _Lock = SubmissionLock()
 """What every op's accesses are recorded under (see :func:`logs_held`); the C submission path's own lock once
 it is built (:func:`use_lock`)."""
-_here = threading.local()  # .held: this thread holds the Python lock above
 _native_held: Callable[[], bool] | None = None  # the C module's held_here(), once it is used
 
 
@@ -35,20 +68,18 @@ def logs_held() -> Iterator[None]:
         if lock is _logs_lock:
             break
         lock.release()  # replaced meanwhile: take the one in use
-    _here.held = True
     try:
         yield
     finally:
-        _here.held = False
         lock.release()
 
 
 def in_submission() -> bool:
-    """Whether the calling thread is submitting: holds :func:`logs_held`'s lock, or an engine's lock of the C
-    submission path. What waits for a held op's hand-on does not run there (it may submit, and take those locks
-    again): an op the native core has handed on is then taken by whoever looks at it next, or by the core's
-    hand-on callback."""
-    return bool(getattr(_here, "held", False)) or (_native_held is not None and _native_held())
+    """Whether the calling thread is submitting: holds :func:`logs_held`'s lock, or an engine's or a scheduler's
+    (a :class:`SubmissionLock`, or the C submission path's ``Lock``). What waits for a held op's hand-on does not
+    run there (it may submit, and take those locks again): an op the native core has handed on is then taken by
+    whoever looks at it next, or by the core's hand-on callback."""
+    return getattr(_here, "held", 0) > 0 or (_native_held is not None and _native_held())
 
 
 def use_lock(lock: _Lock, held_here: Callable[[], bool]) -> None:

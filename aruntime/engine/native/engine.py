@@ -446,14 +446,16 @@ class NativeEngine(Engine):
                 self._cells, at = new_cells(), 0
                 self._cells_pin = memoryview(self._cells)
             self._cell_at = at + 1
-            op.cell, op.at = self._cells, at
-            pend = lib.ar_pend_new(self.address, records, count, _cell_address(op))
+            cells = self._cells
+            pend = lib.ar_pend_new(self.address, records, count, int(cells.buffer_info()[0]) + 8 * at)
             if not pend:
                 self._python.pop(op.id, None)
-                op.cell = None  # not pending in the core: a failed submission drops it (Op.drop_unsubmitted)
                 raise MemoryError(f"{op.name}: no memory for the commands of {self.signal.name}")
             op._pend = pend
             op.hold(self)
+            # its cell last, once it has its pend: another thread that finds it pending (a cell, held) may hand
+            # its pend to the core
+            op.at, op.cell = at, cells
             with self._retire_lock:  # retire() replaces the lists
                 self._pended.append(op)
                 # the array's pin too: a view, which keeps the array where it is (it cannot be resized or freed

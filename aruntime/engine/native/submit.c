@@ -921,18 +921,13 @@ static PyObject *retire(PyObject *self, PyObject *engine) {
 }
 
 /* The address of the word the core writes a pending op's value into: its cell array's memory, at its index. */
-static uint64_t *cell_address(PyObject *op) {
+/* The address of word `index` of the array of cells `c` (for `op`, named in errors), or NULL with an error. */
+static uint64_t *cells_word(PyObject *op, PyObject *c, Py_ssize_t index) {
   /* views of the last arrays of cells looked at, held: ops share arrays of CELLS cells, so a few arrays (the
    * engines' newest) serve most ops, and an array whose view is held cannot be resized meanwhile */
   enum { KEPT = 4 };
   static Py_buffer kept[KEPT];
   static unsigned next;
-  PyObject *c = SLOT(op, S_CELL);
-  Py_ssize_t index = c ? PyLong_AsSsize_t(SLOT(op, S_AT)) : -1;
-  if (!c || (index == -1 && PyErr_Occurred())) {
-    if (!PyErr_Occurred()) PyErr_Format(PyExc_AttributeError, "%R has no cell", op);
-    return NULL;
-  }
   uint64_t *words = NULL;
   Py_ssize_t len = 0;
   for (int i = 0; i < KEPT && !words; i++)
@@ -955,6 +950,16 @@ static uint64_t *cell_address(PyObject *op) {
     return NULL;
   }
   return words + index;
+}
+
+static uint64_t *cell_address(PyObject *op) {
+  PyObject *c = SLOT(op, S_CELL);
+  Py_ssize_t index = c ? PyLong_AsSsize_t(SLOT(op, S_AT)) : -1;
+  if (!c || (index == -1 && PyErr_Occurred())) {
+    if (!PyErr_Occurred()) PyErr_Format(PyExc_AttributeError, "%R has no cell", op);
+    return NULL;
+  }
+  return cells_word(op, c, index);
 }
 
 /* Whether `op` (its inputs recorded) can be appended here: the (engine address, value) pairs of its dependency
@@ -1321,13 +1326,11 @@ static int pend_op(PyObject *engine, PyObject *op, PyObject *body, PyObject *dep
   if (!(pin = ATTR(engine, s_cells_pin)) || !(pinned = keep_with(keep, pin))) goto unlock;
   PyObject *next = PyLong_FromSsize_t(at + 1), *index = next ? PyLong_FromSsize_t(at) : NULL;
   int set = !index || SET_ATTR(engine, s_cell_at, next);
-  if (!set) {
-    set_slot(op, S_CELL, cells);
-    set_slot(op, S_AT, index);
-  }
+  if (!set) set_slot(op, S_AT, index); /* its cell last, once it has its pend: another thread that finds it
+                                          * pending (a cell, held) may hand its pend to the core */
   Py_XDECREF(index);
   Py_XDECREF(next);
-  uint64_t *cell = set ? NULL : cell_address(op);
+  uint64_t *cell = set ? NULL : cells_word(op, cells, at);
   engine_state *st = cell ? state_of(engine) : NULL;
   if (!st) goto unlock;
   set_slot(op, S_ENGINE, engine);
@@ -1344,6 +1347,7 @@ static int pend_op(PyObject *engine, PyObject *op, PyObject *body, PyObject *dep
     set_slot(op, S_PEND, address);
     set_slot(op, S_VALUE, held);
     if (SLOT(op, S_LATER) == Py_None) set_slot(op, S_LATER, empty);
+    set_slot(op, S_CELL, cells);
   }
   int added = holders && PySet_Check(holders) && !PySet_Add(holders, op);
   Py_XDECREF(holders);
@@ -1368,7 +1372,6 @@ static int pend_op(PyObject *engine, PyObject *op, PyObject *body, PyObject *dep
 unlock:
   rc = engine_give(engine, 0, rc);
   if (rc < 0 && kept) unregister(engine, op);
-  if (rc < 0 && !pend) set_slot(op, S_CELL, Py_None); /* not pending: a failed submission drops it */
   Py_XDECREF(at_obj);
   Py_XDECREF(cells);
   Py_XDECREF(pin);

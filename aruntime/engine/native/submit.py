@@ -109,8 +109,12 @@ def _build(lib: ctypes.CDLL, native_type: type, new_cells: Callable[[], Sized], 
 def new_lock() -> AbstractContextManager[bool]:
     """A lock for what the C submission path takes: its ``Lock`` once the module is built (taken and let go of
     in C without a call; in Python, ``with`` it as with :class:`threading.Lock`: its ``acquire()`` takes no
-    arguments and always waits, running signal handlers meanwhile), else a :class:`threading.Lock`."""
-    return threading.Lock() if _module is None else _module.Lock()
+    arguments and always waits, running signal handlers meanwhile), else a :class:`hazards.SubmissionLock
+    <aruntime.memory.hazards.SubmissionLock>`. Either way :func:`hazards.in_submission
+    <aruntime.memory.hazards.in_submission>` sees the thread that holds it."""
+    from aruntime.memory.hazards import SubmissionLock
+
+    return SubmissionLock() if _module is None else _module.Lock()
 
 
 def loaded() -> Fast:
