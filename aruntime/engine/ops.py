@@ -259,7 +259,7 @@ class Op:
         value (or abandon it, if its engine had stopped) and run what waited for its dispatch."""
         assert self.cell is not None and self.engine is not None
         value = self.cell[self.at]
-        if not value or (self.later and in_submission()):  # what waits for it runs outside submissions
+        if not value:
             return False
         engine = self.engine
         if value == ABANDONED:
@@ -267,7 +267,7 @@ class Op:
         with _later_lock:
             if self._value != HELD:  # another thread took it
                 return True
-            if self.later and in_submission():  # added meanwhile (a _when that found no cell yet)
+            if self.later and in_submission():  # what waits for it runs outside submissions
                 return False
             self._value = value
             later, self.later = self.later, None

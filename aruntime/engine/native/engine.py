@@ -233,11 +233,15 @@ class _Packed(Prepared):
 
 def _cell_address(op: Op) -> int:
     """The address of the word the core writes a pending ``op``'s value into (see :attr:`Op.cell`)."""
-    cell, at = op.cell, op.at
-    assert cell is not None
-    if not (type(at) is int and 0 <= at < len(cell)):  # the core writes there
+    assert op.cell is not None
+    return _cells_word(op, op.cell, op.at)
+
+
+def _cells_word(op: Op, cells: array[int], at: int) -> int:
+    """The address of word ``at`` of the array of ``cells`` (``op``'s, named in errors)."""
+    if not (type(at) is int and 0 <= at < len(cells)):  # the core writes there
         raise ValueError(f"{op!r}: its cell is out of range")
-    return int(cell.buffer_info()[0]) + 8 * at
+    return int(cells.buffer_info()[0]) + 8 * at
 
 
 def _u64s(address: int, count: int) -> memoryview:
@@ -447,7 +451,7 @@ class NativeEngine(Engine):
                 self._cells_pin = memoryview(self._cells)
             self._cell_at = at + 1
             cells = self._cells
-            pend = lib.ar_pend_new(self.address, records, count, int(cells.buffer_info()[0]) + 8 * at)
+            pend = lib.ar_pend_new(self.address, records, count, _cells_word(op, cells, at))
             if not pend:
                 self._python.pop(op.id, None)
                 raise MemoryError(f"{op.name}: no memory for the commands of {self.signal.name}")

@@ -920,7 +920,6 @@ static PyObject *retire(PyObject *self, PyObject *engine) {
   return Py_NewRef(rc ? Py_True : Py_None);
 }
 
-/* The address of the word the core writes a pending op's value into: its cell array's memory, at its index. */
 /* The address of word `index` of the array of cells `c` (for `op`, named in errors), or NULL with an error. */
 static uint64_t *cells_word(PyObject *op, PyObject *c, Py_ssize_t index) {
   /* views of the last arrays of cells looked at, held: ops share arrays of CELLS cells, so a few arrays (the
@@ -952,6 +951,7 @@ static uint64_t *cells_word(PyObject *op, PyObject *c, Py_ssize_t index) {
   return words + index;
 }
 
+/* The address of the word the core writes a pending op's value into: its cell array's memory, at its index. */
 static uint64_t *cell_address(PyObject *op) {
   PyObject *c = SLOT(op, S_CELL);
   Py_ssize_t index = c ? PyLong_AsSsize_t(SLOT(op, S_AT)) : -1;
